@@ -1,0 +1,125 @@
+"""Configuration dataclasses shared by the CLI, the launcher and both workers.
+
+Every flag of `foresight serve` / `foresight bench` lives here once; workers receive the
+validated `EngineConfig` (as a plain dict over the spawn boundary) and nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+MODES = ("ar", "sync", "pipelined")
+VERIFICATIONS = ("exact", "nucleus")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the parameter."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """What both workers need: models, devices, speculation settings."""
+
+    target: str | None = None  # local HF folder; None = the embedded default
+    drafter: str = "auto"  # "auto" | "ngram" | PATH to a trained drafter folder
+    mode: str = "auto"  # "auto" | "ar" | "sync" | "pipelined"
+    verification: str = "exact"
+    nucleus_threshold: float = 0.95
+    block_size: int = 8  # anchor + gamma draft tokens verified per round
+    cache_size: int = 4  # speculation cache entries (B) in pipelined mode
+    dtype: str = "auto"
+    target_device: str = "cpu"
+    drafter_device: str = "cpu"
+    target_threads: int = 1
+    drafter_threads: int = 1
+    ngram_max: int = 4  # longest n-gram the prompt-lookup proposer matches
+    ngram_min: int = 1
+    max_model_len: int | None = None  # None = the target's own context length
+    model_name: str | None = None  # served name; None = folder name of the target
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, ("auto",) + MODES)
+        _check_choice("verification", self.verification, VERIFICATIONS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        if not 0.0 < self.nucleus_threshold <= 1.0:
+            raise ConfigError("nucleus_threshold must lie in (0, 1]")
+        if not 2 <= self.block_size <= 64:
+            raise ConfigError("block_size must lie in [2, 64] (anchor + at least one draft token)")
+        if self.cache_size < 1:
+            raise ConfigError("cache_size must be >= 1")
+        if self.target_threads < 1 or self.drafter_threads < 1:
+            raise ConfigError("thread counts must be >= 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError("need 1 <= ngram_min <= ngram_max")
+
+    @property
+    def gamma(self) -> int:
+        """Draft tokens per block (the block holds the anchor plus gamma drafts)."""
+        return self.block_size - 1
+
+    def resolved_mode(self) -> str:
+        """`auto` picks pipelined only for drafters that support foresight."""
+        if self.mode != "auto":
+            return self.mode
+        return "sync"  # no shipped foresight drafter yet: ngram and trained drafters run sync
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "EngineConfig":
+        return cls(**data)
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """What only the api process needs."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_running: int = 16  # requests the target interleaves at once
+    max_waiting: int = 64  # beyond this the api answers 429
+    startup_timeout_s: float = 600.0
+    max_restarts: int = 5
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError("port must lie in 1..65535")
+        if self.max_running < 1 or self.max_waiting < 0:
+            raise ConfigError("max_running must be >= 1 and max_waiting >= 0")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)} (got {value!r})")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Model and speculation flags shared by `serve` and `bench`."""
+    d = EngineConfig()
+    g = parser.add_argument_group("model and speculation")
+    g.add_argument("--target", default=d.target, help="local Hugging Face causal-LM folder (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--drafter", default=d.drafter, help="auto | ngram | PATH to a trained drafter")
+    g.add_argument("--mode", default=d.mode, choices=("auto",) + MODES)
+    g.add_argument("--verification", default=d.verification, choices=VERIFICATIONS)
+    g.add_argument("--nucleus-threshold", type=float, default=d.nucleus_threshold)
+    g.add_argument("--block-size", type=int, default=d.block_size, help="anchor + draft tokens per verification")
+    g.add_argument("--cache-size", type=int, default=d.cache_size, help="speculation cache entries (pipelined)")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    g.add_argument("--target-device", default=d.target_device)
+    g.add_argument("--drafter-device", default=d.drafter_device)
+    g.add_argument("--target-threads", type=int, default=d.target_threads)
+    g.add_argument("--drafter-threads", type=int, default=d.drafter_threads)
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    g.add_argument("--served-model-name", dest="model_name", default=d.model_name)
+    g.add_argument("--seed", type=int, default=d.seed)
+
+
+def engine_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,173 @@
+"""Typed messages between the api, the target worker and the drafter worker.
+
+One dataclass per message kind. The codec writes the kind first, then the protocol version, then
+the fields; tensors travel beside the msgpack body (see `transport`). Every message about a request
+carries its `req_id`; round-scoped messages also carry `round` so stale ones can be dropped.
+
+Round numbering: the target's prefill is round 0. `Outcome(round=r)` reports how verification of
+round r-1's block ended (or the prefill, for r=1) and asks for the block of round r;
+`DraftBlock(round=r)` answers it. A block whose round differs from the one the target waits for is
+stale and is dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+PROTOCOL_VERSION = 1
+
+MESSAGE_TYPES: dict[str, type] = {}
+
+
+def message(cls):
+    """Register a message dataclass under its KIND."""
+    cls = dataclass(slots=True)(cls)
+    kind = cls.KIND
+    if kind in MESSAGE_TYPES:
+        raise ValueError(f"duplicate message kind {kind}")
+    MESSAGE_TYPES[kind] = cls
+    return cls
+
+
+# ---------------------------------------------------------------- api -> target
+
+
+@message
+class SamplingParams:
+    KIND: ClassVar[str] = "sampling_params"
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    verification: str = "exact"  # "exact" | "nucleus"
+    nucleus_threshold: float = 0.95
+
+
+@message
+class GenerateRequest:
+    KIND: ClassVar[str] = "generate"
+    req_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@message
+class AbortRequest:
+    KIND: ClassVar[str] = "abort"
+    req_id: str
+
+
+@message
+class Shutdown:
+    KIND: ClassVar[str] = "shutdown"
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- target -> api
+
+
+@message
+class RoundStats:
+    """One verification round of one request, for the api's metrics."""
+
+    KIND: ClassVar[str] = "round_stats"
+    drafted: int  # draft tokens verified this round (0 for ar / no proposal)
+    accepted: int  # of those, accepted
+    nucleus_extra: int  # acceptances only the nucleus gate allowed
+    verify_s: float
+    exposed_draft_s: float | None  # target waited this long for the block; None in ar
+    cache_hit: bool | None  # None when no speculation cache was consulted
+    passes: int = 0  # drafter refinement passes used for the block
+    refreshes: int = 0  # drafter context refreshes used for the block
+
+
+@message
+class TokenOutput:
+    KIND: ClassVar[str] = "tokens"
+    req_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    rounds: list[RoundStats] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+
+@message
+class RequestFailed:
+    """One request failed (bad input reached the worker, OOM, ...); the worker goes on."""
+
+    KIND: ClassVar[str] = "request_failed"
+    req_id: str
+    error: str
+    status: int = 500
+
+
+@message
+class WorkerReady:
+    KIND: ClassVar[str] = "ready"
+    worker: str  # "target" | "drafter"
+    pid: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@message
+class WorkerDead:
+    """Sent by a worker whose loop is about to die, so its peers need not wait for the sentinel."""
+
+    KIND: ClassVar[str] = "dead"
+    worker: str
+    error: str
+
+
+# ---------------------------------------------------------------- target <-> drafter
+
+
+@message
+class StartDraft:
+    """A new request: its prompt and the target states of the prompt positions."""
+
+    KIND: ClassVar[str] = "start_draft"
+    req_id: str
+    prompt_ids: list[int]
+    first_token: int  # the token sampled at prefill: anchor of round 1
+    seed: int
+    hidden: torch.Tensor | None = None  # [prompt_len, n_layers * hidden] or None
+
+
+@message
+class Outcome:
+    """Verification of the previous block ended with `accepted` drafts and token `bonus`.
+
+    For round 1 (right after StartDraft) accepted = 0 and bonus = the first token.
+    """
+
+    KIND: ClassVar[str] = "outcome"
+    req_id: str
+    round: int
+    accepted: int
+    bonus: int
+    max_drafts: int  # at most this many draft tokens are wanted (limits near max_tokens)
+    hidden: torch.Tensor | None = None  # [accepted + 1, n_layers * hidden] states of committed positions
+
+
+@message
+class ReleaseDraft:
+    KIND: ClassVar[str] = "release_draft"
+    req_id: str
+
+
+@message
+class DraftBlock:
+    KIND: ClassVar[str] = "draft_block"
+    req_id: str
+    round: int
+    tokens: list[int]  # the gamma draft tokens (may be fewer, or empty: no proposal)
+    cache_hit: bool | None = None
+    passes: int = 0
+    refreshes: int = 0
+    draft_s: float = 0.0
