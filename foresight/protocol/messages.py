@@ -54,6 +54,7 @@ class GenerateRequest:
     sampling: SamplingParams
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    mode: str | None = None  # "ar" | "sync" | "pipelined"; None = the server's mode (bench sets it)
 
 
 @message
@@ -134,8 +135,7 @@ class StartDraft:
     KIND: ClassVar[str] = "start_draft"
     req_id: str
     prompt_ids: list[int]
-    first_token: int  # the token sampled at prefill: anchor of round 1
-    seed: int
+    seed: int  # for the drafter's own noise; derived so it never mirrors the target's draws
     hidden: torch.Tensor | None = None  # [prompt_len, n_layers * hidden] or None
 
 

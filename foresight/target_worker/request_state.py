@@ -1,0 +1,46 @@
+"""Per-request state held by the target worker."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..protocol.messages import GenerateRequest
+
+
+@dataclass(slots=True)
+class RequestState:
+    request: GenerateRequest
+    mode: str  # "ar" | "sync" | "pipelined"
+    generator: torch.Generator
+    cache: object = None  # DynamicCache once prefilled
+    output_ids: list[int] = field(default_factory=list)
+    round: int = 0  # the round whose block we wait for (0 = prefill pending)
+    anchor: int | None = None  # newest committed token, not yet in the cache
+    block: list[int] | None = None  # drafts received for `round`
+    block_cache_hit: bool | None = None
+    block_passes: int = 0
+    block_refreshes: int = 0
+    outcome_sent_at: float = 0.0  # when we asked the drafter for `round`'s block
+    block_received_at: float = 0.0
+    arrived_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def req_id(self) -> str:
+        return self.request.req_id
+
+    @property
+    def prefilled(self) -> bool:
+        return self.cache is not None
+
+    def ready(self) -> bool:
+        """Can the target do this request's next step without waiting for the drafter?"""
+        return not self.prefilled or self.mode == "ar" or self.block is not None
+
+    def tokens_left(self) -> int:
+        return self.request.max_tokens - len(self.output_ids)
+
+    def take_block(self) -> list[int]:
+        block, self.block = self.block or [], None
+        return block

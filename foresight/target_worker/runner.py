@@ -1,0 +1,74 @@
+"""The target model's forwards: prefill, block verification and cache rollback, one request at a time.
+
+A request's KV cache always holds exactly its committed tokens except the newest one (the anchor
+of the next block): each verify forward feeds `[anchor, d_1..d_gamma]`, and after the verdict the
+rejected tail is cropped so the cache again ends just before the new anchor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass(slots=True)
+class ForwardResult:
+    logits: torch.Tensor  # [positions, vocab] float32, one row per fed position
+    hidden: torch.Tensor | None  # [positions, n_layers * hidden] states at the captured layers
+
+
+class TargetRunner:
+    """Wraps a Hugging Face causal LM for per-request prefill / verify with a DynamicCache."""
+
+    def __init__(self, model, hidden_layers: list[int] | None = None):
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        # hidden_states index i is the output of decoder layer i-1 (index 0 = embeddings).
+        self.hidden_layers = list(hidden_layers or [])
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    def new_cache(self) -> DynamicCache:
+        if getattr(self.config, "layer_types", None) and any(
+            t == "linear_attention" for t in self.config.layer_types
+        ):
+            raise NotImplementedError("hybrid linear-attention targets need state rollback (not supported yet)")
+        return DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def forward(self, cache: DynamicCache, tokens: list[int], keep_logits: int | None = None) -> ForwardResult:
+        """Feed `tokens` after what `cache` holds; return logits for the last `keep_logits` positions."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, L]
+        kwargs = {}
+        if self.hidden_layers:
+            kwargs["output_hidden_states"] = self.hidden_layers
+        out = self.model(
+            input_ids=ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=keep_logits or len(tokens),
+            **kwargs,
+        )
+        hidden = None
+        if self.hidden_layers:
+            # [L, n_layers * hidden], concatenated in the order the drafter asked for.
+            hidden = torch.cat([out.hidden_states[i][0] for i in self.hidden_layers], dim=-1)
+        return ForwardResult(logits=out.logits[0].float(), hidden=hidden)
+
+    def prefill(self, cache: DynamicCache, prompt_ids: list[int]) -> ForwardResult:
+        """Process the prompt; logits only for its last position."""
+        return self.forward(cache, prompt_ids, keep_logits=1)
+
+    def verify(self, cache: DynamicCache, anchor: int, draft: list[int]) -> ForwardResult:
+        """Score `[anchor, d_1..d_gamma]`: row i is the target's distribution after d_i (row 0 after the anchor)."""
+        return self.forward(cache, [anchor, *draft])
+
+    @staticmethod
+    def rollback(cache: DynamicCache, rejected: int) -> None:
+        """Drop the last `rejected` positions (the drafts verification did not accept)."""
+        if rejected > 0:
+            cache.crop(-rejected)

@@ -1,0 +1,246 @@
+"""The target worker process: owns the truth and drives the round loop.
+
+One busy loop: drain the api and drafter sockets, pick the next request that can make progress
+(round-robin), run one step of it (prefill, or verify one block), send what was committed.
+A request that raises fails alone; an error outside a request's step kills the worker, which
+tells the api with `WorkerDead` first.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections import OrderedDict
+
+import torch
+import zmq
+
+from ..config import EngineConfig
+from ..protocol.addresses import WorkerAddresses
+from ..protocol.messages import (
+    AbortRequest,
+    DraftBlock,
+    GenerateRequest,
+    Outcome,
+    ReleaseDraft,
+    RequestFailed,
+    RoundStats,
+    Shutdown,
+    StartDraft,
+    TokenOutput,
+    WorkerDead,
+    WorkerReady,
+)
+from ..protocol.liveness import report_death
+from ..protocol.sockets import MessageSocket
+from .loading import load_target, resolve_dtype, resolve_target
+from .request_state import RequestState
+from .runner import TargetRunner
+from .verification import Verdict, verify
+
+IDLE_POLL_MS = 100
+
+
+class TargetWorker:
+    def __init__(self, cfg: EngineConfig, addrs: WorkerAddresses, runner: TargetRunner, ctx: zmq.Context,
+                 eos_token_ids: list[int], max_model_len: int):
+        self.cfg = cfg
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.recv_from_api = MessageSocket(ctx, zmq.PULL, addrs.api_to_target, bind=False)
+        self.send_to_api = MessageSocket(ctx, zmq.PUSH, addrs.workers_to_api, bind=False)
+        self.send_to_drafter = MessageSocket(ctx, zmq.PUSH, addrs.target_to_drafter, bind=True)
+        self.recv_from_drafter = MessageSocket(ctx, zmq.PULL, addrs.drafter_to_target, bind=True)
+        self.poller = zmq.Poller()
+        self.poller.register(self.recv_from_api.socket, zmq.POLLIN)
+        self.poller.register(self.recv_from_drafter.socket, zmq.POLLIN)
+        self.requests: OrderedDict[str, RequestState] = OrderedDict()
+        self.seed_rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        self.stopping = False
+        self.handlers = {
+            GenerateRequest: self.on_generate,
+            AbortRequest: self.on_abort,
+            Shutdown: self.on_shutdown,
+            DraftBlock: self.on_block,
+        }
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        self.send_to_api.send(WorkerReady(worker="target", pid=os.getpid(), info={
+            "max_model_len": self.max_model_len, "vocab_size": self.runner.vocab_size}))
+        while not self.stopping:
+            self.drain(self.recv_from_api)
+            self.drain(self.recv_from_drafter)
+            state = self.next_ready()
+            if state is None:
+                self.poller.poll(IDLE_POLL_MS)
+                continue
+            self.step(state)
+
+    def drain(self, sock: MessageSocket) -> None:
+        while (msg := sock.recv_nowait()) is not None:
+            self.handlers[type(msg)](msg)
+
+    def next_ready(self) -> RequestState | None:
+        """Round-robin: the first ready request is moved to the back of the queue."""
+        for req_id, state in self.requests.items():
+            if state.ready():
+                self.requests.move_to_end(req_id)
+                return state
+        return None
+
+    def step(self, state: RequestState) -> None:
+        try:
+            if not state.prefilled:
+                self.prefill(state)
+            else:
+                self.verify_round(state)
+        except Exception as exc:  # one request's failure must not take the worker down
+            traceback.print_exc()
+            self.drop(state.req_id)
+            self.send_to_api.send(RequestFailed(req_id=state.req_id, error=f"{type(exc).__name__}: {exc}"))
+
+    # ------------------------------------------------------------------ handlers
+
+    def on_generate(self, req: GenerateRequest) -> None:
+        mode = req.mode or self.cfg.resolved_mode()
+        seed = req.sampling.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_rng))
+        gen = torch.Generator(device=self.runner.device).manual_seed(seed)
+        self.requests[req.req_id] = RequestState(request=req, mode=mode, generator=gen)
+
+    def on_abort(self, msg: AbortRequest) -> None:
+        if msg.req_id in self.requests:
+            self.drop(msg.req_id)
+
+    def on_shutdown(self, msg: Shutdown) -> None:
+        self.stopping = True
+
+    def on_block(self, block: DraftBlock) -> None:
+        state = self.requests.get(block.req_id)
+        if state is None or block.round != state.round or state.block is not None:
+            return  # stale: an older round, or a request that ended meanwhile
+        state.block = block.tokens[: self.max_drafts(state)]
+        state.block_cache_hit = block.cache_hit
+        state.block_passes = block.passes
+        state.block_refreshes = block.refreshes
+        state.block_received_at = time.perf_counter()
+
+    # ------------------------------------------------------------------ one step of a request
+
+    def prefill(self, state: RequestState) -> None:
+        req = state.request
+        state.cache = self.runner.new_cache()
+        t0 = time.perf_counter()
+        result = self.runner.prefill(state.cache, req.prompt_ids)
+        verdict = verify_block(result.logits, [], req.sampling, state.generator)
+        stats = RoundStats(drafted=0, accepted=0, nucleus_extra=0, verify_s=time.perf_counter() - t0,
+                           exposed_draft_s=None, cache_hit=None)
+        if state.mode != "ar":
+            self.send_to_drafter.send(StartDraft(req_id=req.req_id, prompt_ids=req.prompt_ids,
+                                                 seed=drafter_seed(state.generator),
+                                                 hidden=result.hidden))
+        self.commit(state, [verdict.token], accepted=0, stats=stats, hidden=None, prefill=True)
+
+    def verify_round(self, state: RequestState) -> None:
+        req = state.request
+        draft = state.take_block() if state.mode != "ar" else []
+        exposed = state.block_received_at - state.outcome_sent_at if state.mode != "ar" else None
+        t0 = time.perf_counter()
+        result = self.runner.verify(state.cache, state.anchor, draft)
+        verdict = verify_block(result.logits, draft, req.sampling, state.generator)
+        self.runner.rollback(state.cache, len(draft) - verdict.accepted)
+        stats = RoundStats(drafted=len(draft), accepted=verdict.accepted, nucleus_extra=verdict.nucleus_extra,
+                           verify_s=time.perf_counter() - t0, exposed_draft_s=exposed,
+                           cache_hit=state.block_cache_hit, passes=state.block_passes,
+                           refreshes=state.block_refreshes)
+        committed = draft[: verdict.accepted] + [verdict.token]
+        hidden = result.hidden[: verdict.accepted + 1] if result.hidden is not None else None
+        self.commit(state, committed, verdict.accepted, stats, hidden)
+
+    def commit(self, state: RequestState, tokens: list[int], accepted: int, stats: RoundStats,
+               hidden: torch.Tensor | None, prefill: bool = False) -> None:
+        """Append committed tokens up to the first stop condition, report them, ask for the next block."""
+        emitted, reason = self.apply_stops(state, tokens)
+        self.send_to_api.send(TokenOutput(
+            req_id=state.req_id, token_ids=emitted, finished=reason is not None, finish_reason=reason,
+            rounds=[stats], prompt_tokens=len(state.request.prompt_ids) if prefill else 0))
+        if reason is not None:
+            self.drop(state.req_id)
+            return
+        state.anchor = tokens[-1]
+        state.round += 1
+        if state.mode != "ar":
+            state.outcome_sent_at = time.perf_counter()
+            self.send_to_drafter.send(Outcome(req_id=state.req_id, round=state.round, accepted=accepted,
+                                              bonus=state.anchor, max_drafts=self.max_drafts(state),
+                                              hidden=hidden))
+
+    def apply_stops(self, state: RequestState, tokens: list[int]) -> tuple[list[int], str | None]:
+        req = state.request
+        stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.eos_token_ids))
+        emitted: list[int] = []
+        for tok in tokens:
+            emitted.append(tok)
+            state.output_ids.append(tok)
+            if tok in stop_ids:
+                return emitted, "stop"
+            if state.tokens_left() <= 0 or self.context_left(state) <= 0:
+                return emitted, "length"
+        return emitted, None
+
+    def context_left(self, state: RequestState) -> int:
+        return self.max_model_len - len(state.request.prompt_ids) - len(state.output_ids)
+
+    def max_drafts(self, state: RequestState) -> int:
+        """Never draft past max_tokens or the context window: a block commits at most drafts + 1 tokens."""
+        return max(0, min(self.cfg.gamma, state.tokens_left() - 1, self.context_left(state)))
+
+    def drop(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None and state.mode != "ar" and state.prefilled:
+            self.send_to_drafter.send(ReleaseDraft(req_id=req_id))
+
+
+def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int]) -> None:
+    """Process entry point (spawned by the launcher)."""
+    cfg = EngineConfig.from_dict(cfg_dict)
+    addrs = WorkerAddresses.from_dict(addrs_dict)
+    torch.set_num_threads(cfg.target_threads)
+    ctx = zmq.Context()
+    worker = None
+    try:
+        path = resolve_target(cfg.target)
+        model = load_target(path, resolve_dtype(cfg.dtype, cfg.target_device), cfg.target_device)
+        runner = TargetRunner(model, hidden_layers)
+        max_len = cfg.max_model_len or model.config.max_position_embeddings
+        worker = TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len)
+        worker.run()
+    except BaseException as exc:
+        report_death(ctx, addrs, "target", exc)
+        raise
+    finally:
+        ctx.destroy(linger=0)
+
+
+def verify_block(logits: torch.Tensor, draft: list[int], sampling, generator: torch.Generator) -> Verdict:
+    """Apply the request's verification rule to one block (logits [len(draft) + 1, vocab])."""
+    return verify(logits, draft, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                  rule=sampling.verification, theta=sampling.nucleus_threshold, generator=generator)
+
+
+def drafter_seed(gen: torch.Generator) -> int:
+    """A seed for the drafter's noise that differs from the target's stream (drafts must not correlate with draws)."""
+    return (gen.initial_seed() * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**63
+
+
+def eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
