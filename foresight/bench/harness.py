@@ -81,8 +81,6 @@ async def run_one(engine: EngineClient, request: GenerateRequest, tally: ModeTal
     tokens: list[int] = []
     async for out in engine.generate(request):
         tokens.extend(out.token_ids)
-        if out.prompt_tokens:  # the prefill output: not a verification round
-            continue
         for stats in out.rounds:
             tally.rounds += 1
             tally.committed += stats.accepted + 1

@@ -63,7 +63,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def health():
         if not engine.healthy:
             return error(503, "the engine is not ready (loading, or a worker died and is being restarted)")
-        return {"status": "ok"}
+        return {"status": "ok", "workers": engine.worker_pids(), "restarts": engine.supervisor.restarts}
 
     @app.get("/metrics")
     async def metrics_route():

@@ -97,6 +97,9 @@ class EngineClient:
     def target_info(self) -> dict:
         return self.supervisor.worker_info("target")
 
+    def worker_pids(self) -> dict[str, int | None]:
+        return {name: (h.ready.pid if h.ready else None) for name, h in self.supervisor.workers.items()}
+
     def drafter_info(self) -> dict:
         return self.supervisor.worker_info("drafter")
 

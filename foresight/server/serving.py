@@ -126,8 +126,7 @@ class RequestRunner:
             last = now
             n_tokens += len(out.token_ids)
             for stats in out.rounds:
-                if not out.prompt_tokens:  # the prefill commits one token but verifies nothing
-                    tally.add(stats, len(out.token_ids))
+                tally.add(stats, len(out.token_ids))
                 if self.metrics:
                     self.metrics.record_round(stats)
             text = detok.add(out.token_ids, final=out.finished)

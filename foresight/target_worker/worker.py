@@ -134,16 +134,13 @@ class TargetWorker:
     def prefill(self, state: RequestState) -> None:
         req = state.request
         state.cache = self.runner.new_cache()
-        t0 = time.perf_counter()
         result = self.runner.prefill(state.cache, req.prompt_ids)
         verdict = verify_block(result.logits, [], req.sampling, state.generator)
-        stats = RoundStats(drafted=0, accepted=0, nucleus_extra=0, verify_s=time.perf_counter() - t0,
-                           exposed_draft_s=None, cache_hit=None)
         if state.mode != "ar":
             self.send_to_drafter.send(StartDraft(req_id=req.req_id, prompt_ids=req.prompt_ids,
                                                  seed=drafter_seed(state.generator),
                                                  hidden=result.hidden))
-        self.commit(state, [verdict.token], accepted=0, stats=stats, hidden=None, prefill=True)
+        self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True)
 
     def verify_round(self, state: RequestState) -> None:
         req = state.request
@@ -161,13 +158,15 @@ class TargetWorker:
         hidden = result.hidden[: verdict.accepted + 1] if result.hidden is not None else None
         self.commit(state, committed, verdict.accepted, stats, hidden)
 
-    def commit(self, state: RequestState, tokens: list[int], accepted: int, stats: RoundStats,
+    def commit(self, state: RequestState, tokens: list[int], accepted: int, stats: RoundStats | None,
                hidden: torch.Tensor | None, prefill: bool = False) -> None:
-        """Append committed tokens up to the first stop condition, report them, ask for the next block."""
+        """Append committed tokens up to the first stop condition, report them, ask for the next block.
+
+        `stats` is None for the prefill, which commits its first token without verifying a block."""
         emitted, reason = self.apply_stops(state, tokens)
         self.send_to_api.send(TokenOutput(
             req_id=state.req_id, token_ids=emitted, finished=reason is not None, finish_reason=reason,
-            rounds=[stats], prompt_tokens=len(state.request.prompt_ids) if prefill else 0))
+            rounds=[stats] if stats else [], prompt_tokens=len(state.request.prompt_ids) if prefill else 0))
         if reason is not None:
             self.drop(state.req_id)
             return

@@ -1,0 +1,77 @@
+"""Both worker loops in threads of the test process, talking over real ZeroMQ sockets.
+
+Exercises the same round protocol as the spawned processes, without their start-up cost.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+
+import zmq
+
+from foresight.config import EngineConfig
+from foresight.drafter_worker.worker import DrafterWorker, make_proposer
+from foresight.protocol.addresses import WorkerAddresses
+from foresight.protocol.messages import GenerateRequest, RequestFailed, SamplingParams, Shutdown, TokenOutput, WorkerReady
+from foresight.protocol.sockets import MessageSocket
+from foresight.target_worker.runner import TargetRunner
+from foresight.target_worker.worker import TargetWorker, eos_ids
+
+
+class InProcessEngine:
+    def __init__(self, model, cfg: EngineConfig | None = None, max_model_len: int | None = None):
+        self.cfg = cfg or EngineConfig(drafter="ngram")
+        self.addrs = WorkerAddresses.fresh()
+        self.ctx = zmq.Context()
+        self.send_to_target = MessageSocket(self.ctx, zmq.PUSH, self.addrs.api_to_target, bind=True)
+        self.recv_from_workers = MessageSocket(self.ctx, zmq.PULL, self.addrs.workers_to_api, bind=True)
+        proposer = make_proposer(self.cfg)
+        self.drafter = DrafterWorker(self.cfg, self.addrs, proposer, self.ctx)
+        runner = TargetRunner(model, proposer.hidden_layers)
+        self.target = TargetWorker(self.cfg, self.addrs, runner, self.ctx, eos_ids(model),
+                                   max_model_len or model.config.max_position_embeddings)
+        self.threads = [threading.Thread(target=w.run, daemon=True) for w in (self.drafter, self.target)]
+        for t in self.threads:
+            t.start()
+        ready = {self.recv_from_workers.recv(timeout_ms=30000).worker for _ in range(2)}
+        assert ready == {"target", "drafter"}, ready
+        self._ids = itertools.count()
+
+    def submit(self, prompt: list[int], max_tokens: int, mode: str = "sync", **sampling) -> str:
+        req_id = f"t-{next(self._ids)}"
+        self.send_to_target.send(GenerateRequest(req_id=req_id, prompt_ids=list(prompt), max_tokens=max_tokens,
+                                                 sampling=SamplingParams(**sampling), mode=mode))
+        return req_id
+
+    def collect(self, req_ids: list[str], timeout_ms: int = 60000) -> dict[str, dict]:
+        """Run until every request finished or failed; per request: tokens, rounds, reason, error."""
+        results = {r: {"tokens": [], "rounds": [], "reason": None, "error": None} for r in req_ids}
+        pending = set(req_ids)
+        while pending:
+            msg = self.recv_from_workers.recv(timeout_ms=timeout_ms)
+            assert msg is not None, f"no output for {pending}"
+            if isinstance(msg, TokenOutput) and msg.req_id in results:
+                res = results[msg.req_id]
+                res["tokens"] += msg.token_ids
+                res["rounds"] += msg.rounds
+                if msg.finished:
+                    res["reason"] = msg.finish_reason
+                    pending.discard(msg.req_id)
+            elif isinstance(msg, RequestFailed) and msg.req_id in results:
+                results[msg.req_id]["error"] = msg.error
+                pending.discard(msg.req_id)
+            elif isinstance(msg, WorkerReady):
+                continue
+        return results
+
+    def generate(self, prompt: list[int], max_tokens: int, mode: str = "sync", **sampling) -> dict:
+        rid = self.submit(prompt, max_tokens, mode, **sampling)
+        return self.collect([rid])[rid]
+
+    def close(self) -> None:
+        drafter_thread, target_thread = self.threads
+        self.send_to_target.send(Shutdown())
+        target_thread.join(timeout=10)
+        self.target.send_to_drafter.send(Shutdown())  # safe now: the target's thread has ended
+        drafter_thread.join(timeout=10)
+        self.ctx.destroy(linger=0)

@@ -1,0 +1,55 @@
+"""Tiny random causal LMs built from configs, saved as local Hugging Face folders (seconds, no hub)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 96
+
+
+def tiny_config(arch: str):
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  eos_token_id=VOCAB - 1, bos_token_id=0, tie_word_embeddings=True)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=8, **common)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    # Sharpen the random logits so greedy decoding falls into repetitive loops that prompt lookup can
+    # actually predict: acceptance must happen for the equality test to exercise multi-token commits.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model.eval()
+
+
+def save_tiny_model(arch: str, root: Path, seed: int = 0) -> Path:
+    path = root / f"tiny-{arch}"
+    if not (path / "config.json").exists():
+        tiny_model(arch, seed).save_pretrained(path)
+    return path
+
+
+@torch.inference_mode()
+def plain_greedy(model, prompt: list[int], max_new: int, eos: int | None = None) -> list[int]:
+    """Reference: re-run the whole sequence every step (no cache, no speculation), take the argmax."""
+    ids = list(prompt)
+    out: list[int] = []
+    for _ in range(max_new):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        tok = int(logits.argmax())
+        out.append(tok)
+        ids.append(tok)
+        if tok == eos:
+            break
+    return out
