@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import MODES, EngineConfig
+from ..config import MODES, ConfigError, EngineConfig
 from ..protocol.messages import GenerateRequest
 from ..server.engine_client import EngineClient
 from ..server.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -35,6 +36,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--limit", type=int, default=None)
     g.add_argument("--out", default="bench-report.json")
+    g.add_argument("--nucleus-thresholds", default="",
+                   help="also run the last speculative mode with nucleus verification at these thetas "
+                        "(e.g. 0.8,0.9,0.95) and compare with exact verification")
 
 
 @dataclass
@@ -48,6 +52,7 @@ class ModeTally:
     exposed_s: list[float] = field(default_factory=list)
     verify_s: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
+    nucleus_extra: int = 0
 
     def summary(self, mode: str, ar_outputs: list[list[int]] | None) -> dict:
         ms = [1e3 * x for x in self.exposed_s]
@@ -85,6 +90,7 @@ async def run_one(engine: EngineClient, request: GenerateRequest, tally: ModeTal
             tally.rounds += 1
             tally.committed += stats.accepted + 1
             tally.verify_s.append(stats.verify_s)
+            tally.nucleus_extra += stats.nucleus_extra
             if stats.exposed_draft_s is not None:
                 tally.exposed_s.append(stats.exposed_draft_s)
             if stats.cache_hit is not None:
@@ -106,11 +112,39 @@ def build_requests(runner: RequestRunner, items: list[dict], args: argparse.Name
     return requests
 
 
-async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
+@dataclass(frozen=True)
+class Run:
+    label: str
+    mode: str
+    verification: str
+    theta: float
+
+
+def plan_runs(args: argparse.Namespace, cfg: EngineConfig) -> tuple[list[Run], list[Run]]:
+    """The mode runs (server verification rule) and the nucleus-comparison runs."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:
-        raise SystemExit(f"foresight bench: unknown mode(s) {bad}; choose from {MODES}")
+        raise ConfigError(f"modes: unknown mode(s) {bad}; choose from {MODES}")
+    mode_runs = [Run(m, m, cfg.verification, cfg.nucleus_threshold) for m in modes]
+    thetas = [float(t) for t in args.nucleus_thresholds.split(",") if t.strip()]
+    if any(not 0 < t <= 1 for t in thetas):
+        raise ConfigError("nucleus_thresholds must lie in (0, 1]")
+    spec_modes = [m for m in modes if m != "ar"]
+    if thetas and not spec_modes:
+        raise ConfigError("nucleus_thresholds need a speculative mode (sync or pipelined) in --modes")
+    nucleus_runs = []
+    if thetas:
+        base = spec_modes[-1]
+        if cfg.verification != "exact":
+            nucleus_runs.append(Run(f"{base}/exact", base, "exact", cfg.nucleus_threshold))
+        nucleus_runs += [Run(f"{base}/nucleus@{t:g}", base, "nucleus", t) for t in thetas]
+    return mode_runs, nucleus_runs
+
+
+async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
+    mode_runs, nucleus_runs = plan_runs(args, cfg)
+    runs = mode_runs + nucleus_runs
     items = load_prompts(args.prompts, args.limit)
     tokenizer = load_tokenizer(resolve_target(cfg.target))
     engine = EngineClient(cfg)
@@ -118,32 +152,61 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     try:
         runner = RequestRunner(engine, tokenizer, "bench", engine.target_info()["max_model_len"])
         requests = build_requests(runner, items, args)
-        tallies = {m: ModeTally() for m in modes}
-        await run_one(engine, _with_mode(requests[0], modes[0], "warmup"), ModeTally())
+        tallies = {r.label: ModeTally() for r in runs}
+        await run_one(engine, _for_run(requests[0], runs[0], "warmup"), ModeTally())
         for i, request in enumerate(requests):
-            for mode in modes:
-                await run_one(engine, _with_mode(request, mode, f"{mode}-{i}"), tallies[mode])
+            for run in runs:
+                await run_one(engine, _for_run(request, run, str(i)), tallies[run.label])
             print(f"[bench] prompt {i + 1}/{len(requests)} done", flush=True)
     finally:
         await engine.stop()
     ar = tallies["ar"].outputs if "ar" in tallies else None
-    summary = {m: t.summary(m, ar) for m, t in tallies.items()}
-    return {
+    summary = {r.label: tallies[r.label].summary(r.mode, ar) for r in mode_runs}
+    report = {
         "model": str(cfg.target or "SmolLM2-135M-Instruct (embedded default)"),
         "drafter": engine.drafter_info().get("proposer", cfg.drafter),
         "machine": machine_info(cfg),
         "settings": {"prompts": args.prompts, "n_prompts": len(requests), "temperature": args.temperature,
                      "max_tokens": args.max_tokens, "block_size": cfg.block_size, "verification": cfg.verification,
-                     "nucleus_threshold": cfg.nucleus_threshold, "modes": modes, "seed": args.seed},
+                     "nucleus_threshold": cfg.nucleus_threshold, "modes": [r.mode for r in mode_runs],
+                     "seed": args.seed},
         "modes": summary,
         "ratios": ratios(summary),
     }
+    if nucleus_runs:
+        report["nucleus"] = nucleus_section(mode_runs, nucleus_runs, tallies)
+    return report
 
 
-def _with_mode(request: GenerateRequest, mode: str, tag: str) -> GenerateRequest:
-    return GenerateRequest(req_id=f"bench-{tag}", prompt_ids=request.prompt_ids, max_tokens=request.max_tokens,
-                           sampling=request.sampling, stop_token_ids=request.stop_token_ids,
-                           ignore_eos=request.ignore_eos, mode=mode)
+def nucleus_section(mode_runs: list[Run], nucleus_runs: list[Run], tallies: dict) -> dict:
+    """Each nucleus run against exact verification of the same mode: tau, speed, differing outputs."""
+    base = nucleus_runs[-1].mode
+    exact = next(r for r in nucleus_runs + mode_runs if r.mode == base and r.verification == "exact")
+    ref = tallies[exact.label]
+    ref_tps = ref.output_tokens / ref.wall_s if ref.wall_s else None
+    out = {}
+    for run in [exact] + [r for r in nucleus_runs if r.verification == "nucleus"]:
+        t = tallies[run.label]
+        s = t.summary(run.mode, None)
+        key = "exact" if run.verification == "exact" else f"nucleus@{run.theta:g}"
+        out[key] = {
+            "mode": run.mode,
+            "verification": run.verification,
+            "theta": run.theta if run.verification == "nucleus" else None,
+            "tau": s["tau"],
+            "tokens_per_s": s["tokens_per_s"],
+            "nucleus_extra_accepted_tokens": t.nucleus_extra,
+            "outputs_differ_from_exact": sum(a != b for a, b in zip(ref.outputs, t.outputs)) / max(len(t.outputs), 1),
+            "speed_vs_exact": s["tokens_per_s"] / ref_tps if s["tokens_per_s"] and ref_tps else None,
+        }
+    return out
+
+
+def _for_run(request: GenerateRequest, run: Run, tag: str) -> GenerateRequest:
+    sampling = dataclasses.replace(request.sampling, verification=run.verification, nucleus_threshold=run.theta)
+    return GenerateRequest(req_id=f"bench-{run.label}-{tag}", prompt_ids=request.prompt_ids,
+                           max_tokens=request.max_tokens, sampling=sampling, stop_token_ids=request.stop_token_ids,
+                           ignore_eos=request.ignore_eos, mode=run.mode)
 
 
 def ratios(summary: dict) -> dict:
@@ -178,6 +241,7 @@ def run_bench(args: argparse.Namespace, cfg: EngineConfig) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     write_chart(report, out.with_suffix(".png"))
-    print(json.dumps({"modes": report["modes"], "ratios": report["ratios"]}, indent=2))
+    shown = {k: report[k] for k in ("modes", "ratios", "nucleus") if k in report}
+    print(json.dumps(shown, indent=2))
     print(f"[bench] report: {out} (chart {out.with_suffix('.png')})")
     return 0

@@ -56,7 +56,7 @@ def serve(args: argparse.Namespace, engine) -> int:
 
     cfg = ServerConfig(host=args.host, port=args.port, max_running=args.max_running,
                        max_waiting=args.max_waiting, startup_timeout_s=args.startup_timeout, engine=engine)
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info", timeout_graceful_shutdown=5)
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
 
 

@@ -35,10 +35,13 @@ nucleus (NSD, opt-in). Additionally accept d_i when it lies in the target nucleu
         emitted law  p'(x) = min(p, q)(x) + [x in N] max(q - p, 0)(x) + (R - ES) r(x)
         TV(p', p) = ES,   ES <= R,   ES = 0  <=>  emitted law = p.
     For point-mass drafts ES = [d in N_theta(p)] (1 - p(d)).
-    The nucleus is built on p_i itself -- the processed target distribution at the sampling
-    temperature, as NSD's analysis (and its adapter, which gates on processed target logits) does.
-    Hence in greedy mode p_i is the point mass at argmax, N_theta(p_i) = {argmax} for every
-    theta in (0, 1], and nucleus == exact by construction (nucleus_extra is always 0).
+    At temperature > 0 the nucleus is built on p_i itself -- the processed target distribution at
+    the sampling temperature, as NSD's analysis (and its adapter, which gates on processed target
+    logits) does. In greedy mode p_i is the point mass at argmax, whose nucleus is {argmax} alone;
+    NSD's correspondence assumes temperature one, so greedy verification gates on the temperature-1
+    distribution (top-k / top-p still applied) while the committed token stays the argmax. A nucleus
+    that holds only the top token (theta <= p_top) then behaves exactly like the exact rule; a larger
+    one accepts near-top drafts -- the relaxation the user opted into -- and counts them as extra.
 """
 from __future__ import annotations
 
@@ -123,6 +126,7 @@ def verify_batch(
     theta: float = 0.95,
     generator: torch.Generator | None = None,
     draft_probs: torch.Tensor | None = None,
+    gate_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify B blocks that share sampling parameters and a generator; no host sync.
 
@@ -131,6 +135,7 @@ def verify_batch(
     draft_probs  [B, gamma, vocab]    proposal laws q_i (or broadcastable), None for point-mass drafts
     greedy       probs are argmax point masses: commit argmax, draw nothing (draft_probs is then
                  irrelevant: min(1, p/q) and the residual of a point mass p are exact-match rules)
+    gate_probs   [B, gamma+1, vocab] distribution the nucleus gate is built on (default: probs)
     returns      accepted k [B], token a [B], nucleus_extra [B]   (int64)
     """
     _check_rule(rule, theta)
@@ -157,7 +162,8 @@ def verify_batch(
         committed = sample(stop_law, generator)  # [B, gamma+1]  residual draws, then the bonus
 
     if rule == "nucleus":
-        gate = in_nucleus(probs[:, :gamma], drafts, theta)  # [B, gamma]  d_i in N_theta(p_i)
+        gate_on = probs if gate_probs is None else gate_probs
+        gate = in_nucleus(gate_on[:, :gamma], drafts, theta)  # [B, gamma]  d_i in N_theta(p_i)
     else:
         gate = torch.zeros_like(exact_ok)
     ok = exact_ok | gate  # [B, gamma]
@@ -196,14 +202,19 @@ def verify(
     if draft_probs is not None and tuple(draft_probs.shape) != (gamma, logits.shape[1]):
         raise ValueError(f"draft_probs must be [gamma, vocab], got {tuple(draft_probs.shape)}")
     probs = target_probs(logits, temperature, top_k, top_p)  # [gamma+1, vocab]
+    greedy = temperature == 0.0
+    gate_probs = None
+    if greedy and rule == "nucleus" and gamma > 0:
+        gate_probs = target_probs(logits, 1.0, top_k, top_p)[None]  # [1, gamma+1, vocab]  see module doc
     accepted, token, extra = verify_batch(
         probs[None],
         draft[None],
-        greedy=temperature == 0.0,
+        greedy=greedy,
         rule=rule,
         theta=theta,
         generator=generator,
         draft_probs=None if draft_probs is None else draft_probs[None],
+        gate_probs=gate_probs,
     )
     k, a, e = torch.stack([accepted, token, extra], dim=-1)[0].tolist()  # one host sync
     return Verdict(accepted=k, token=a, nucleus_extra=e)

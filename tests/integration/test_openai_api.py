@@ -109,3 +109,15 @@ def test_metrics_count_requests(live_server, client):
     assert 'foresight_request_success_total{finished_reason="length",model_name="SmolLM2-135M-Instruct"}' in text
     gen = [l for l in text.splitlines() if l.startswith("foresight_generation_tokens_total{")]
     assert gen and float(gen[0].split()[-1]) >= 4
+
+
+def test_streaming_with_nucleus_verification(client, live_server):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a haiku about the sea."}], max_tokens=32,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"verification": "nucleus", "nucleus_threshold": 0.9})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+    spec = chunks[-1].usage.model_extra["speculation"]
+    assert spec["nucleus_extra_accepted_tokens"] >= 0 and spec["rounds"] >= 1
+    assert "foresight_nucleus_extra_accepted_tokens_total" in httpx.get(f"{live_server}/metrics").text

@@ -163,29 +163,44 @@ def test_greedy_accepts_longest_prefix_matching_argmax(rule):
         if m < gamma:
             draft = draft[:m] + [(top[m] + 1) % 50] + draft[m + 1:]
         for draft_probs in (None, q):
-            v = verify(logits, draft, temperature=0.0, rule=rule, theta=0.99, draft_probs=draft_probs)
+            # theta 1e-6: the nucleus holds only the top token (see test_greedy_nucleus_*).
+            v = verify(logits, draft, temperature=0.0, rule=rule, theta=1e-6, draft_probs=draft_probs)
             assert v == Verdict(accepted=m, token=top[m], nucleus_extra=0)
 
 
-def test_greedy_nucleus_equals_exact():
-    """Greedy p is the point mass at argmax, so N_theta(p) = {argmax}: nucleus == exact."""
+def test_greedy_nucleus_with_only_the_top_token_equals_exact():
+    """theta <= p_top at every position: N_theta holds the argmax alone, so nucleus == exact."""
     gamma, vocab = 6, 12
     logits = torch.randn(gamma + 1, vocab, generator=gen(60)) * 0.3  # flat at temperature 1
-    for theta in (1e-6, 0.5, 0.99, 1.0):
-        mask = nucleus_mask(target_probs(logits, 0.0), theta)
-        assert torch.equal(mask, torch.nn.functional.one_hot(logits.argmax(-1), vocab).bool())
+    theta = float(torch.softmax(logits, -1).max(-1).values.min()) * 0.999
     g = gen(61)
-    hits = 0
     for _ in range(50):
         draft = torch.randint(0, vocab, (gamma,), generator=g)
         draft[:3] = logits[:3].argmax(-1)  # reach later positions too
         exact = verify(logits, draft, temperature=0.0, rule="exact")
-        nsd = verify(logits, draft, temperature=0.0, rule="nucleus", theta=0.99)
+        nsd = verify(logits, draft, temperature=0.0, rule="nucleus", theta=theta)
         assert nsd == exact and nsd.nucleus_extra == 0
-        # Power: a nucleus on the temperature-1 softmax would have accepted this rejected draft.
-        if exact.accepted < gamma:
-            hits += bool(in_nucleus(torch.softmax(logits[exact.accepted], -1), draft[exact.accepted], 0.99))
-    assert hits > 10
+
+
+def test_greedy_nucleus_gates_on_the_temperature_one_distribution():
+    """Greedy NSD accepts a non-argmax draft iff it lies in N_theta(softmax(logits)); it commits the
+    argmax on rejection; every such acceptance counts as extra."""
+    gamma, vocab = 6, 12
+    logits = torch.randn(gamma + 1, vocab, generator=gen(62)) * 0.3
+    p1 = torch.softmax(logits, -1)  # [gamma+1, vocab]
+    top = logits.argmax(-1)
+    g = gen(63)
+    extra_seen = 0
+    for _ in range(100):
+        draft = torch.randint(0, vocab, (gamma,), generator=g)
+        v = verify(logits, draft, temperature=0.0, rule="nucleus", theta=0.6)
+        ok = [bool(draft[i] == top[i]) or bool(in_nucleus(p1[i], draft[i], 0.6)) for i in range(gamma)]
+        k = next((i for i, x in enumerate(ok) if not x), gamma)
+        assert v.accepted == k
+        assert v.token == int(top[k])
+        assert v.nucleus_extra == sum(int(draft[i] != top[i]) for i in range(k))
+        extra_seen += v.nucleus_extra
+    assert extra_seen > 0
 
 
 # ------------------------------------------------------------------ nucleus set and excess mass
