@@ -55,6 +55,9 @@ class EngineConfig:
             raise ConfigError("thread counts must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")
+        if self.mode == "pipelined":
+            raise ConfigError("mode: pipelined needs a foresight drafter, which this version does not have yet; "
+                              "use --mode sync or ar")
 
     @property
     def gamma(self) -> int:
@@ -115,6 +118,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter-device", default=d.drafter_device)
     g.add_argument("--target-threads", type=int, default=d.target_threads)
     g.add_argument("--drafter-threads", type=int, default=d.drafter_threads)
+    g.add_argument("--ngram-max", type=int, default=d.ngram_max, help="prompt lookup: longest n-gram matched")
+    g.add_argument("--ngram-min", type=int, default=d.ngram_min, help="prompt lookup: shortest n-gram matched")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len)
     g.add_argument("--served-model-name", dest="model_name", default=d.model_name)
     g.add_argument("--seed", type=int, default=d.seed)

@@ -106,6 +106,10 @@ class TargetWorker:
 
     def on_generate(self, req: GenerateRequest) -> None:
         mode = req.mode or self.cfg.resolved_mode()
+        if mode not in ("ar", "sync"):
+            self.send_to_api.send(RequestFailed(req_id=req.req_id, status=400,
+                                                error=f"mode {mode!r} is not available (no foresight drafter yet)"))
+            return
         seed = req.sampling.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_rng))
