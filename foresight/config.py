@@ -36,7 +36,7 @@ class EngineConfig:
     target_threads: int = 1
     drafter_threads: int = 1
     ngram_max: int = 4  # longest n-gram the prompt-lookup proposer matches
-    ngram_min: int = 1
+    ngram_min: int = 2  # 1-gram matches mostly propose wrong drafts, which cost verify time
     max_model_len: int | None = None  # None = the target's own context length
     model_name: str | None = None  # served name; None = folder name of the target
     seed: int = 0

@@ -169,6 +169,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
         "settings": {"prompts": args.prompts, "n_prompts": len(requests), "temperature": args.temperature,
                      "max_tokens": args.max_tokens, "block_size": cfg.block_size, "verification": cfg.verification,
                      "nucleus_threshold": cfg.nucleus_threshold, "modes": [r.mode for r in mode_runs],
+                     "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max,
                      "seed": args.seed},
         "modes": summary,
         "ratios": ratios(summary),

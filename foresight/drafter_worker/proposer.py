@@ -17,6 +17,7 @@ class DraftContext:
     hidden: list[torch.Tensor] = field(default_factory=list)  # chunks of [positions, n_layers * hidden]
     last_block: list[int] = field(default_factory=list)  # drafts sent for the round being verified
     round: int = 0
+    drafter_state: object = None  # the proposer's own per-request state (e.g. cached context K/V)
 
     def absorb(self, accepted: int, bonus: int, hidden: torch.Tensor | None) -> None:
         """Verification accepted the first `accepted` drafts of the last block and committed `bonus`."""

@@ -25,9 +25,13 @@ IDLE_POLL_MS = 100
 
 
 def make_proposer(cfg: EngineConfig) -> Proposer:
-    if cfg.drafter in ("auto", "ngram"):
+    """A checkpoint folder (or, for `auto`, the shipped drafter of the embedded default) -> JetSpec; else ngram."""
+    from .jetspec_proposer import JetSpecProposer, resolve_drafter_path
+
+    path = resolve_drafter_path(cfg)
+    if path is None:
         return NgramProposer(cfg.ngram_max, cfg.ngram_min)
-    raise NotImplementedError(f"drafter: trained drafters are not available yet (got {cfg.drafter!r}); use --drafter ngram")
+    return JetSpecProposer.from_config(path, cfg)
 
 
 class DrafterWorker:

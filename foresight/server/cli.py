@@ -1,10 +1,11 @@
-"""The `foresight` command: serve, bench, prepare-model."""
+"""The `foresight` command: serve, bench, prepare-model, train, eval-drafter."""
 from __future__ import annotations
 
 import argparse
 import sys
 
 from ..config import ConfigError, ServerConfig, add_engine_args, engine_from_args
+from ..training.cli import COMMANDS as TRAIN_COMMANDS, add_train_args, run as run_training
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(bench)
 
     sub.add_parser("prepare-model", help="convert the embedded default model into its cache folder")
+    add_train_args(sub)
     return parser
 
 
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(prepare_default_model())
             return 0
+        if args.command in TRAIN_COMMANDS:
+            return run_training(args)
         engine = engine_from_args(args)
         if args.command == "serve":
             return serve(args, engine)

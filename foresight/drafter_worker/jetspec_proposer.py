@@ -1,0 +1,97 @@
+"""Drafting with a trained JetSpec-style draft model (sync mode: J0 + J Jacobi passes after each outcome).
+
+Per request it keeps the projected context keys/values, extended with each round's new target states
+(the anchor of the previous round plus the accepted drafts), so a round costs only the new positions
+plus one block pass per Jacobi iteration.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError, EngineConfig
+from .draft_model import ContextKV, DraftModel, SharedWeights, draw_noise, is_checkpoint
+from .proposer import DraftContext
+
+DEFAULT_CHECKPOINT = "smollm2-135m-instruct"  # the embedded default target's drafter
+
+
+def checkpoint_roots() -> list[Path]:
+    """$FORESIGHT_CHECKPOINTS, else checkpoints/ at the repository root, else inside the package."""
+    env = os.environ.get("FORESIGHT_CHECKPOINTS")
+    if env:
+        return [Path(env)]
+    pkg = Path(__file__).resolve().parent.parent
+    return [pkg.parent / "checkpoints", pkg / "checkpoints"]
+
+
+def resolve_drafter_path(cfg: EngineConfig) -> Path | None:
+    """The drafter checkpoint to load, or None for prompt lookup."""
+    if cfg.drafter == "ngram":
+        return None
+    if cfg.drafter == "auto":
+        if cfg.target is not None:
+            return None  # shipped checkpoints belong to the embedded default target
+        return next((r / DEFAULT_CHECKPOINT for r in checkpoint_roots() if is_checkpoint(r / DEFAULT_CHECKPOINT)), None)
+    path = Path(cfg.drafter).expanduser()
+    if not is_checkpoint(path):
+        raise ConfigError(f"drafter: {path} is not a drafter checkpoint folder (config.json + model.safetensors)")
+    return path
+
+
+@dataclass(slots=True)
+class _RequestState:
+    ctx: ContextKV | None = None
+    positions: int = 0  # context positions absorbed so far
+    chunks: int = 0  # DraftContext.hidden chunks absorbed so far
+    generator: torch.Generator = field(default_factory=torch.Generator)
+
+
+class JetSpecProposer:
+    name = "jetspec"
+    supports_foresight = False  # foresight needs the adapter and decoder (not built yet)
+
+    def __init__(self, model: DraftModel, passes: int | None = None):
+        self.model = model
+        self.hidden_layers = list(model.config.target_layers)
+        self.passes = model.config.default_passes if passes is None else passes
+
+    @classmethod
+    def load(cls, path: str | Path, target, device: str = "cpu", dtype: torch.dtype = torch.float32,
+             passes: int | None = None) -> "JetSpecProposer":
+        """`target`: the target model (only its embedding and LM head are used)."""
+        return cls(DraftModel.load(path, SharedWeights.from_target(target), device, dtype), passes)
+
+    @classmethod
+    def from_config(cls, path: Path, cfg: EngineConfig) -> "JetSpecProposer":
+        from ..target_worker.loading import load_target, resolve_dtype, resolve_target
+
+        dtype = resolve_dtype(cfg.dtype, cfg.drafter_device)
+        target = load_target(resolve_target(cfg.target), dtype, cfg.drafter_device)
+        return cls.load(path, target, cfg.drafter_device, dtype)  # the target's layers are dropped after this
+
+    def propose(self, ctx: DraftContext, max_drafts: int) -> list[int]:
+        if max_drafts <= 0:
+            return []
+        state = self._absorb(ctx)
+        if state.ctx is None:
+            return []  # no target states (the target was started without our layers)
+        noise = draw_noise(ctx.tokens, max_drafts - 1, state.generator)
+        passes = self.model.draft([state.ctx], torch.tensor([ctx.tokens[-1]]), noise[None], self.passes)
+        return passes[-1][0].tolist()
+
+    def _absorb(self, ctx: DraftContext) -> _RequestState:
+        state = ctx.drafter_state
+        if state is None:
+            state = ctx.drafter_state = _RequestState()
+            state.generator.manual_seed(ctx.seed)  # independent of the target's draws
+        new = ctx.hidden[state.chunks:]
+        if new:
+            states = torch.cat(new) if len(new) > 1 else new[0]  # [n, n_src * H_t]
+            state.ctx = self.model.extend_context(state.ctx, states, state.positions)
+            state.positions += states.shape[0]
+            state.chunks = len(ctx.hidden)
+        return state

@@ -1,0 +1,140 @@
+"""`foresight train drafter` and `foresight eval-drafter`.
+
+    foresight train drafter --out DIR [--device cpu|cuda] [--steps N] [--data-dir DIR] [--resume] [--seed S]
+        phase "label": teacher-force the target over stdlib conversations (and, with --regen N, over its own
+        answers to N prompts) and store hidden states + top-k once in the data dir (resumable);
+        phase "train": train the draft model on the labelled data, checkpointing into --out (resumable).
+    foresight eval-drafter --drafter DIR [--prompts humaneval] [--limit N] [--temperatures 0,1]
+                           [--block-sizes 8,16,32] [--passes 0,1,2,3] --out report.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+COMMANDS = ("train", "eval-drafter")
+
+# Recipes: the CPU one runs in the background for hours and resumes; the GPU one labels more (with the
+# target's own answers) and trains bigger batches in one short run.
+RECIPES = {
+    "cpu": dict(tokens=300_000, regen=0, steps=6000, batch_seqs=4, anchors=16, label_batch=1, ckpt_every=200,
+                label_dtype="float32"),
+    "cuda": dict(tokens=3_000_000, regen=4000, steps=20000, batch_seqs=32, anchors=16, label_batch=16,
+                 ckpt_every=1000, label_dtype="bfloat16"),
+}
+
+
+def add_train_args(sub) -> None:
+    """Register `train drafter` and `eval-drafter` on the top-level subparsers."""
+    train = sub.add_parser("train", help="train drafter models")
+    what = train.add_subparsers(dest="train_what", required=True)
+    d = what.add_parser("drafter", help="label data with the target and train the JetSpec draft model")
+    d.add_argument("--out", required=True, help="checkpoint folder to write (and resume from)")
+    d.add_argument("--device", default="cpu", help="cpu | cuda[:i] (picks the recipe defaults)")
+    d.add_argument("--target", default=None, help="target HF folder (default: embedded SmolLM2-135M-Instruct)")
+    d.add_argument("--data-dir", default=None, help="labelled data (default ~/.cache/foresight/train/<target>-...)")
+    d.add_argument("--phase", default="all", choices=("all", "label", "train"))
+    d.add_argument("--tokens", type=int, default=None, help="teacher-forced tokens to label (recipe default)")
+    d.add_argument("--regen", type=int, default=None, help="prompts the target answers itself (recipe default)")
+    d.add_argument("--steps", type=int, default=None)
+    d.add_argument("--batch-seqs", type=int, default=None)
+    d.add_argument("--anchors", type=int, default=None, help="blocks per sequence per step")
+    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--layers", type=int, default=3, help="draft transformer layers")
+    d.add_argument("--target-layers", default=None, help="comma list of target hidden-state indices")
+    d.add_argument("--vocab-subset", type=int, default=14500, help="0 = full vocabulary")
+    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--ckpt-every", type=int, default=None)
+    d.add_argument("--label-batch", type=int, default=None)
+    d.add_argument("--max-len", type=int, default=1024)
+    d.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--resume", action="store_true", help="continue the training state in --out")
+
+    e = sub.add_parser("eval-drafter", help="offline speculative decoding with a drafter: tau per J, T, block size")
+    e.add_argument("--drafter", required=True, help="drafter checkpoint folder (or ngram)")
+    e.add_argument("--target", default=None)
+    e.add_argument("--prompts", default="humaneval", help="humaneval | JSONL file")
+    e.add_argument("--limit", type=int, default=None)
+    e.add_argument("--temperatures", default="0,1")
+    e.add_argument("--block-sizes", default="8,16,32")
+    e.add_argument("--passes", default="0,1,2,3")
+    e.add_argument("--max-tokens", type=int, default=128)
+    e.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--threads", type=int, default=1)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", required=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.command == "eval-drafter":
+        from .eval_drafter import run_eval
+
+        report = run_eval(args)
+        print(json.dumps(report["summary"], indent=1))
+        return 0
+    return train_drafter(args)
+
+
+def train_drafter(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..drafter_worker.draft_model import default_target_layers
+    from ..target_worker.loading import cache_root, load_target, load_tokenizer, resolve_target
+    from .corpus import training_conversations
+    from .dataset import LabelledData
+    from .labelling import DataDir, LabelSettings, Labeller, chat_ids, label_all
+    from .train_drafter import TrainSettings, train
+
+    recipe = RECIPES["cuda" if args.device.startswith("cuda") else "cpu"]
+    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else recipe[name]  # noqa: E731
+    path = resolve_target(args.target)
+    target = load_target(path, getattr(torch, recipe["label_dtype"]), args.device)
+    n_layers = target.config.num_hidden_layers
+    layers = [int(x) for x in args.target_layers.split(",")] if args.target_layers else default_target_layers(n_layers)
+    topk = 32
+    data_dir = Path(args.data_dir) if args.data_dir else \
+        cache_root() / "train" / f"{path.name}-L{'_'.join(map(str, layers))}-k{topk}"
+    header = {"target_name": path.name, "layers": layers, "topk": topk, "max_len": args.max_len, "seed": args.seed}
+    timings = {}
+    if args.phase in ("all", "label"):
+        t0 = time.perf_counter()
+        data = DataDir(data_dir, header)
+        before = sum(st["tokens"] for st in data.meta["streams"].values())
+        tokenizer = load_tokenizer(path)
+        convs, dropped = training_conversations(args.seed)
+        data.meta["dropped_eval_overlap"] = dropped
+        data.save_meta()
+        print(f"[train] {len(convs)} stdlib conversations ({dropped} dropped for overlap with HumanEval); "
+              f"data dir {data_dir}", file=sys.stderr)
+        settings = LabelSettings(layers=layers, topk=topk, max_len=args.max_len, batch_size=pick("label_batch"))
+        from ..target_worker.worker import eos_ids
+
+        label_all(Labeller(target, settings), data, convs, lambda m, g: chat_ids(tokenizer, m, g), pick("tokens"),
+                  pick("regen"), eos_ids(target), args.seed)
+        after = sum(st["tokens"] for st in data.meta["streams"].values())
+        timings["label_s"] = time.perf_counter() - t0
+        timings["labelled_tokens"] = after - before
+    if args.phase in ("all", "train"):
+        names = {f.name for f in fields(TrainSettings)}
+        s = TrainSettings(**{k: v for k, v in dict(
+            steps=pick("steps"), batch_seqs=pick("batch_seqs"), anchors=pick("anchors"), block_size=args.block_size,
+            num_layers=args.layers, vocab_subset=args.vocab_subset, lr=args.lr, ckpt_every=pick("ckpt_every"),
+            seed=args.seed, device=args.device).items() if k in names})
+        target = target.float()  # shared embedding / LM head in fp32 for training
+        t0 = time.perf_counter()
+        report = train(target, LabelledData(data_dir), Path(args.out), s, resume=args.resume)
+        timings["train_s"] = time.perf_counter() - t0
+        print(json.dumps({"out": args.out, "steps_done": report["steps_done"], "last50_mean": report["last50_mean"],
+                          **timings}, indent=1))
+    else:
+        print(json.dumps(timings, indent=1))
+    return 0

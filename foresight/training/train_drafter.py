@@ -1,0 +1,211 @@
+"""Training the draft model: forward KL to the target at every block position (JetSpec++ section 4.3).
+
+    loss = sum_{blocks, i} 0.8^i KL(p_target(. | true prefix up to n+i) || q_draft(. | block inputs <= i))
+           / sum 0.8^i
+with the target's top-k (renormalised over the drafter's vocabulary subset) standing in for p.
+AdamW, linear warmup, constant, cosine decay to 0 over the last 25% of the steps. Seeded: the batch of
+step t depends only on (seed, t), so a resumed run sees the same batches as an uninterrupted one.
+The output folder is the checkpoint (config.json + model.safetensors, fp16) plus report.json,
+loss.png and train_state.pt (fp32 weights + optimizer, for --resume; not meant for git).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..drafter_worker.draft_model import DraftConfig, DraftModel, SharedWeights
+from .dataset import BlockBatch, LabelledData, choose_vocab_subset, sample_blocks
+
+STATE_FILE = "train_state.pt"
+
+
+@dataclass(slots=True)
+class TrainSettings:
+    steps: int = 6000
+    batch_seqs: int = 4  # sequences per step
+    anchors: int = 16  # blocks per sequence
+    block_size: int = 16
+    num_layers: int = 3
+    context_window: int = 512
+    vocab_subset: int = 14500  # 0 = full vocabulary
+    lr: float = 1e-3
+    warmup: int = 200
+    decay_frac: float = 0.25  # cosine decay over this last fraction of the steps
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    position_decay: float = 0.8
+    ckpt_every: int = 200
+    seed: int = 0
+    device: str = "cpu"
+    bf16: bool = True  # autocast matmuls to bf16 (CUDA, or a CPU with native bf16)
+
+
+def lr_at(step: int, s: TrainSettings) -> float:
+    """Warmup, constant, cosine decay to 0 over the last `decay_frac` of the steps."""
+    if step < s.warmup:
+        return s.lr * (step + 1) / s.warmup
+    start = int(s.steps * (1 - s.decay_frac))
+    if step < start:
+        return s.lr
+    return s.lr * 0.5 * (1 + math.cos(math.pi * (step - start) / max(1, s.steps - start)))
+
+
+def kl_loss(model: DraftModel, batch: BlockBatch, bf16: bool = False) -> tuple[torch.Tensor, dict]:
+    """Weighted forward KL; also the top-1 agreement and, on fully noised blocks, the length of the
+    prefix whose argmax matches the target's (a J0 acceptance proxy)."""
+    device_type = batch.tokens.device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+        hidden = model.forward_blocks(batch.ctx_states.float(), batch.ctx_positions, batch.tokens, batch.block_idx,
+                                      batch.positions, batch.anchor_index, batch.mask)
+        logits = model.logits(hidden)  # [S, Q, V'] float32
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    valid = batch.target_ids >= 0  # [S, Q, k]
+    p = batch.target_logp.exp() * valid
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+    lq = logq.gather(-1, batch.target_ids.clamp_min(0))
+    kl = (p * (torch.log(p.clamp_min(1e-12)) - lq)).sum(-1)  # [S, Q]
+    loss = (kl * batch.weights).sum() / batch.weights.sum()
+    with torch.no_grad():
+        match = logq.argmax(-1) == batch.target_ids[..., 0]  # [S, Q]
+        block = int(batch.block_idx.max()) + 1
+        m = match.view(-1, block)
+        noised = batch.clean.view(-1, block)[:, 0] == 0
+        j0_len = m[noised].long().cumprod(-1).sum(-1).float().mean() if noised.any() else torch.tensor(0.0)
+        stats = {"kl": float((kl.mean())), "top1": float(match.float().mean()), "j0_len": float(j0_len)}
+    return loss, stats
+
+
+def build_model(target, data: LabelledData, s: TrainSettings) -> DraftModel:
+    meta = data.meta
+    cfg = DraftConfig.for_target(target.config, target_layers=list(meta["layers"]), num_layers=s.num_layers,
+                                 block_size=s.block_size, context_window=s.context_window,
+                                 target_name=meta.get("target_name", ""))
+    torch.manual_seed(s.seed)
+    subset = choose_vocab_subset(data, cfg.vocab_size, s.vocab_subset)
+    return DraftModel(cfg, SharedWeights.from_target(target), subset)
+
+
+def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool = False, log=print) -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / STATE_FILE
+    if state_path.exists() and not resume:
+        raise FileExistsError(f"{state_path} exists: pass --resume to continue it, or use another --out")
+    state = torch.load(state_path, map_location="cpu", weights_only=False) if resume and state_path.exists() else None
+    if state is not None:
+        s = TrainSettings(**{**state["settings"], "steps": s.steps, "device": s.device, "ckpt_every": s.ckpt_every})
+    device = torch.device(s.device)
+    bf16 = s.bf16 and (device.type == "cuda" or _cpu_bf16())
+    model = build_model(target, data, s) if state is None else _model_from_state(target, data, state, s)
+    model = model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
+    history: list[dict] = []
+    step = 0
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        history, step = state["history"], state["step"]
+        log(f"[train] resumed at step {step} from {state_path}")
+    subset_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
+    subset_index[model.vocab_subset.cpu()] = torch.arange(len(model.vocab_subset))
+    model.config.extra = {"train": asdict(s), "data": {"tokens": data.num_tokens, "sequences": len(data),
+                                                      "path": str(data.path)}}
+    bar = tqdm(total=s.steps, initial=step, unit="step", desc="train drafter", dynamic_ncols=True)
+    while step < s.steps:
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed(s.seed * 1_000_003 + step)
+        batch = sample_blocks(data, gen, s.batch_seqs, s.anchors, s.block_size, s.context_window, subset_index,
+                              s.position_decay).to(device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, s)
+        loss, stats = kl_loss(model, batch, bf16)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        opt.step()
+        step += 1
+        history.append({"step": step, "loss": loss.item(), **stats, "grad_norm": float(grad_norm),
+                        "lr": opt.param_groups[0]["lr"], "s": time.perf_counter() - t0})
+        bar.update(1)
+        bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", top1=f"{stats['top1']:.2f}", j0=f"{stats['j0_len']:.2f}")
+        if step % s.ckpt_every == 0 or step == s.steps:
+            save_all(model, opt, s, step, history, out)
+    bar.close()
+    if not history or history[-1]["step"] != step or not (out / "report.json").exists():
+        save_all(model, opt, s, step, history, out)
+    return json.loads((out / "report.json").read_text())
+
+
+def _model_from_state(target, data: LabelledData, state: dict, s: TrainSettings) -> DraftModel:
+    cfg = DraftConfig.from_dict(state["config"])
+    model = DraftModel(cfg, SharedWeights.from_target(target), state["vocab_subset"])
+    model.load_state_dict(state["model"])
+    return model
+
+
+def save_all(model: DraftModel, opt, s: TrainSettings, step: int, history: list[dict], out: Path) -> None:
+    """The checkpoint folder (fp16), the resumable state, and the report."""
+    model.config.extra["steps_done"] = step
+    model.save(out)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
+             "settings": asdict(s), "config": model.config.to_dict(), "vocab_subset": model.vocab_subset.cpu()}
+    tmp = out / (STATE_FILE + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(out / STATE_FILE)
+    write_report(model, s, step, history, out)
+
+
+def write_report(model: DraftModel, s: TrainSettings, step: int, history: list[dict], out: Path) -> None:
+    tail = history[-50:]
+    summary = {k: sum(h[k] for h in tail) / len(tail) for k in ("loss", "top1", "j0_len", "s")} if tail else {}
+    report = {"steps_done": step, "settings": asdict(s), "params": model.num_trainable(),
+              "vocab_subset": len(model.vocab_subset), "data": model.config.extra.get("data"),
+              "last50_mean": summary, "history": history}
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    try:
+        _plot(history, out / "loss.png")
+    except Exception as exc:  # a report without its chart is still a report
+        print(f"[train] loss plot failed: {exc}")
+
+
+def _plot(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not history:
+        return
+    steps = [h["step"] for h in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(steps, [h["loss"] for h in history], lw=0.5, alpha=0.5, label="loss (weighted KL)")
+    ax1.plot(steps, _smooth([h["loss"] for h in history]), lw=1.5, label="smoothed")
+    ax1.set_xlabel("step"), ax1.set_yscale("log"), ax1.legend(), ax1.set_title("forward KL")
+    ax2.plot(steps, _smooth([h["top1"] for h in history]), label="top-1 agreement")
+    ax2.plot(steps, _smooth([h["j0_len"] for h in history]), label="J0 matched prefix (noised blocks)")
+    ax2.set_xlabel("step"), ax2.legend(), ax2.set_title("agreement with the target")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _smooth(xs: list[float], k: int = 50) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc = x if i == 0 else acc + (x - acc) / min(i + 1, k)
+        out.append(acc)
+    return out
+
+
+def _cpu_bf16() -> bool:
+    from ..target_worker.loading import cpu_supports_bf16
+
+    return cpu_supports_bf16()
+
+
+__all__ = ["TrainSettings", "train", "kl_loss", "lr_at", "build_model"]

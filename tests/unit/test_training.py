@@ -1,0 +1,217 @@
+"""Drafter training on tiny random models: labelling (shapes, decontamination, resume), block sampling,
+the loss going down, the schedule, resumable training, and the offline evaluation loop."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
+from foresight.drafter_worker.draft_model import DraftModel, SharedWeights
+from foresight.target_worker.runner import TargetRunner
+from foresight.training.corpus import Conversation, Decontaminator, conversations_from_source, eval_texts
+from foresight.training.dataset import LabelledData, choose_vocab_subset, sample_blocks
+from foresight.training.eval_drafter import greedy_reference, speculate
+from foresight.training.labelling import DataDir, LabelSettings, Labeller, label_all
+from foresight.training.train_drafter import TrainSettings, build_model, kl_loss, lr_at, train
+from support.tiny_models import VOCAB, tiny_model
+
+torch.set_num_threads(1)
+
+LAYERS = [1, 3]
+SOURCE = '''
+def scale(values, factor=2):
+    """Multiply every value by factor and return the new list of values."""
+    out = []
+    for v in values:
+        out.append(v * factor)
+    return out
+
+
+class Box:
+    def area(self, width, height):
+        """Return the area of a rectangle with the given width and height."""
+        result = width * height
+        return result
+'''
+
+
+def toy_encode(messages: list[dict], generation_prompt: bool = False) -> list[int]:
+    """A byte-level stand-in for a tokenizer that fits the tiny vocabulary (ids 3..92, 1 = turn marker)."""
+    ids = []
+    for m in messages:
+        ids += [1] + [3 + b % 90 for b in (m["role"] + "\n" + m["content"]).encode()]
+    return ids + ([1] if generation_prompt else [])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    import random
+
+    rng = random.Random(0)
+    convs = []
+    for i in range(12):
+        convs += conversations_from_source(SOURCE.replace("scale", f"scale{i}"), f"mod{i}", rng)
+    return convs
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, target, conversations):
+    path = tmp_path_factory.mktemp("data")
+    settings = LabelSettings(layers=LAYERS, topk=8, max_len=200, min_len=20, shard_tokens=1500, batch_size=2,
+                             regen_max_new=16)
+    data = DataDir(path, {"target_name": "tiny", "layers": LAYERS, "topk": 8})
+    label_all(Labeller(target, settings), data, conversations, toy_encode, text_tokens=3000, regen_items=2,
+              eos=[VOCAB - 1], seed=0)
+    return path
+
+
+def test_corpus_from_source_and_decontamination():
+    import random
+
+    convs = conversations_from_source(SOURCE, "mod", random.Random(0))
+    kinds = {c.kind for c in convs}
+    assert "implement" in kinds
+    impl = next(c for c in convs if c.kind == "implement" and "area" in c.source)
+    assert impl.messages[0]["role"] == "user" and impl.messages[-1]["role"] == "assistant"
+    assert "def area(self, width, height):" in impl.messages[0]["content"]  # dedented stub with the docstring
+    assert "result = width * height" in impl.messages[-1]["content"] and "result" not in impl.messages[0]["content"]
+    evals = eval_texts()
+    assert len(evals) >= 164 * 3, "HumanEval (the evaluation set) must be installed"
+    leaked = Conversation([{"role": "user", "content": "Solve this:\n" + evals[0]},
+                           {"role": "assistant", "content": "ok"}], "leak", "extra")
+    kept, dropped = Decontaminator(evals).filter(convs + [leaked])
+    assert dropped == 1 and leaked not in kept and len(kept) == len(convs)
+
+
+def test_labelled_shards(data_dir, target):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    text, regen = meta["streams"]["text"], meta["streams"]["regen"]
+    assert text["tokens"] >= 3000 and len(text["shards"]) >= 2
+    assert regen["items_done"] == 2 and regen["sequences"] >= 1
+    total = 0
+    for name in text["shards"] + regen["shards"]:
+        shard = load_file(str(data_dir / name))
+        n = shard["tokens"].shape[0]
+        total += n
+        assert shard["offsets"][0] == 0 and shard["offsets"][-1] == n
+        assert shard["hidden"].shape == (n, len(LAYERS) * target.config.hidden_size)
+        assert shard["hidden"].dtype == torch.float16
+        assert shard["topk_ids"].shape == shard["topk_logp"].shape == (n, 8)
+        assert (shard["topk_logp"][:, :-1] >= shard["topk_logp"][:, 1:]).all()  # sorted top-k
+    assert total == text["tokens"] + regen["tokens"]
+    # the stored labels are the target's own: recompute one sequence
+    shard = load_file(str(data_dir / text["shards"][0]))
+    a, b = shard["offsets"][:2].tolist()
+    ids = shard["tokens"][a:b].long()[None]
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=LAYERS)
+    torch.testing.assert_close(shard["hidden"][a:b, :32].float(), out.hidden_states[1][0], rtol=1e-2, atol=1e-2)
+    assert torch.equal(shard["topk_ids"][a:b, 0].long(), out.logits[0].argmax(-1))
+
+
+def test_labelling_resumes_without_duplicates(tmp_path, target, conversations):
+    settings = LabelSettings(layers=LAYERS, topk=4, max_len=200, min_len=20, shard_tokens=800)
+    header = {"target_name": "tiny", "layers": LAYERS, "topk": 4}
+    data = DataDir(tmp_path, header)
+    label_all(Labeller(target, settings), data, conversations, toy_encode, 1000, 0, [VOCAB - 1], 0)
+    first = dict(data.stream("text"))
+    again = DataDir(tmp_path, header)  # a new run continues after the items already done
+    label_all(Labeller(target, settings), again, conversations, toy_encode, 2000, 0, [VOCAB - 1], 0)
+    st = again.stream("text")
+    assert st["items_done"] > first["items_done"] and st["tokens"] >= 2000
+    assert st["shards"][:len(first["shards"])] == first["shards"]
+    with pytest.raises(ValueError):
+        DataDir(tmp_path, {**header, "topk": 8})
+
+
+def test_block_sampling(data_dir):
+    data = LabelledData(data_dir)
+    subset_index = torch.arange(VOCAB)
+    batch = sample_blocks(data, torch.Generator().manual_seed(0), n_seqs=3, n_anchors=4, block=8, window=32,
+                          subset_index=subset_index)
+    s, q = batch.tokens.shape
+    assert (s, q) == (3, 32)
+    assert batch.mask.shape == (3, 32, batch.ctx_states.shape[1] + 32)
+    assert batch.target_ids.shape == (3, 32, 8)
+    # every block's inputs: the anchor is a true token; clean prefix m < block - 1; context strictly before the anchor
+    for row in range(s):
+        for a in range(4):
+            sl = slice(a * 8, a * 8 + 8)
+            n = int(batch.positions[row, a * 8])
+            m = int(batch.clean[row, a * 8])
+            assert 0 <= m <= 6
+            ctx_pos = batch.ctx_positions[row][batch.mask[row, a * 8, :batch.ctx_states.shape[1]]]
+            assert len(ctx_pos) and ctx_pos.max() == n - 1 and ctx_pos.min() >= n - 32
+            assert batch.ctx_positions[row, batch.anchor_index[row, a * 8]] == n - 1
+            assert torch.equal(batch.positions[row, sl], n + torch.arange(8))
+    torch.testing.assert_close(batch.weights[0, :3], torch.tensor([1.0, 0.8, 0.64]))
+    again = sample_blocks(data, torch.Generator().manual_seed(0), 3, 4, 8, 32, subset_index)
+    assert torch.equal(again.tokens, batch.tokens)  # seeded
+
+
+def test_vocab_subset(data_dir):
+    data = LabelledData(data_dir)
+    subset = choose_vocab_subset(data, VOCAB, 40)
+    assert subset is not None and len(subset) == 40 and torch.equal(subset, subset.sort().values)
+    assert choose_vocab_subset(data, VOCAB, 0) is None
+
+
+def test_lr_schedule():
+    s = TrainSettings(steps=100, warmup=10, lr=1e-3)
+    assert lr_at(0, s) == pytest.approx(1e-4)
+    assert lr_at(10, s) == lr_at(74, s) == pytest.approx(1e-3)
+    assert lr_at(87, s) < 1e-3 and lr_at(99, s) < 1e-5
+
+
+def test_training_steps_lower_the_loss(data_dir, target):
+    data = LabelledData(data_dir)
+    s = TrainSettings(num_layers=1, block_size=8, context_window=32, vocab_subset=0, seed=0)
+    model = build_model(target, data, s).train()
+    batch = sample_blocks(data, torch.Generator().manual_seed(1), 2, 4, 8, 32, torch.arange(VOCAB))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(25):
+        loss, _ = kl_loss(model, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_train_resume_matches_uninterrupted_run(data_dir, target, tmp_path):
+    data = LabelledData(data_dir)
+    s = dict(num_layers=1, block_size=8, context_window=32, vocab_subset=50, batch_seqs=2, anchors=2, warmup=2,
+             bf16=False, seed=3)
+    straight = train(target, data, tmp_path / "a", TrainSettings(steps=4, ckpt_every=100, **s), log=lambda *_: None)
+    train(target, data, tmp_path / "b", TrainSettings(steps=2, ckpt_every=100, **s), log=lambda *_: None)
+    with pytest.raises(FileExistsError):
+        train(target, data, tmp_path / "b", TrainSettings(steps=4, **s))
+    resumed = train(target, data, tmp_path / "b", TrainSettings(steps=4, ckpt_every=100, **s), resume=True,
+                    log=lambda *_: None)
+    assert [h["loss"] for h in resumed["history"]] == pytest.approx([h["loss"] for h in straight["history"]], rel=1e-5)
+    assert (tmp_path / "b" / "loss.png").is_file() and resumed["steps_done"] == 4
+    model = DraftModel.load(tmp_path / "b", SharedWeights.from_target(target))
+    assert model.config.vocab_subset_size == 50 and model.config.target_layers == LAYERS
+
+
+def test_eval_loop_is_lossless_and_counts_rounds(data_dir, target, tmp_path):
+    data = LabelledData(data_dir)
+    model = build_model(target, data, TrainSettings(num_layers=1, block_size=8, context_window=32, vocab_subset=0))
+    proposer = JetSpecProposer(model.eval(), passes=1)
+    runner = TargetRunner(target, proposer.hidden_layers)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    ref, gaps = greedy_reference(runner, prompt, 24, [VOCAB - 1])
+    got = speculate(runner, proposer, prompt, 24, 0.0, 6, 0, [VOCAB - 1])
+    assert got["tokens"] == ref and len(gaps) == len(ref)
+    assert sum(a + 1 for a in got["accepted"]) + 1 >= len(ref)
+    assert speculate(runner, proposer, prompt, 24, 1.0, 6, 5, [VOCAB - 1])["tokens"] == \
+        speculate(runner, proposer, prompt, 24, 1.0, 6, 5, [VOCAB - 1])["tokens"]
