@@ -183,6 +183,9 @@ class DraftModel(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
         self.apply(self._init)
+        # The residual carries the normalised input embedding; with the target's (tied, unit-scale)
+        # LM head a unit final norm would make "repeat the input token" a ~77-logit prediction at init.
+        nn.init.constant_(self.norm.weight, 0.1)
         if vocab_subset is None:
             vocab_subset = torch.arange(cfg.vocab_size)
         vocab_subset = vocab_subset.long()

@@ -37,7 +37,16 @@ class TargetRunner:
             t == "linear_attention" for t in self.config.layer_types
         ):
             raise NotImplementedError("hybrid linear-attention targets need state rollback (not supported yet)")
-        return DynamicCache(config=self.config)
+        cache = DynamicCache(config=self.config)
+        if self.has_sliding_layers:
+            # Sliding-window layers drop old positions as they go; recording keeps what a crop of
+            # rejected drafts needs to restore (rollback() trims it back to the window each round).
+            cache.activate_past_recording()
+        return cache
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(t == "sliding_attention" for t in getattr(self.config, "layer_types", None) or [])
 
     @torch.inference_mode()
     def forward(self, cache: DynamicCache, tokens: list[int], keep_logits: int | None = None) -> ForwardResult:
@@ -67,8 +76,10 @@ class TargetRunner:
         """Score `[anchor, d_1..d_gamma]`: row i is the target's distribution after d_i (row 0 after the anchor)."""
         return self.forward(cache, [anchor, *draft])
 
-    @staticmethod
-    def rollback(cache: DynamicCache, rejected: int) -> None:
-        """Drop the last `rejected` positions (the drafts verification did not accept)."""
-        if rejected > 0:
+    def rollback(self, cache: DynamicCache, rejected: int) -> None:
+        """Drop the last `rejected` positions (the drafts verification did not accept).
+
+        With sliding-window layers crop runs every round, crop(0) included: it is also what trims
+        their recorded past back to the window."""
+        if rejected > 0 or self.has_sliding_layers:
             cache.crop(-rejected)

@@ -9,7 +9,7 @@ VOCAB = 96
 
 
 def tiny_config(arch: str):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -18,6 +18,10 @@ def tiny_config(arch: str):
         return LlamaConfig(**common)
     if arch == "qwen3":
         return Qwen3Config(head_dim=8, **common)
+    if arch == "gemma3":
+        # 5 sliding-window layers then 1 full; a window of 8 is exceeded within the first prompt.
+        return Gemma3TextConfig(head_dim=8, sliding_window=8, pad_token_id=0,
+                                **{**common, "num_hidden_layers": 6})
     raise ValueError(arch)
 
 
