@@ -11,11 +11,14 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from .linear_rollback import LinearSnapshot, LinearStateRollback
+
 
 @dataclass(slots=True)
 class ForwardResult:
     logits: torch.Tensor  # [positions, vocab] float32, one row per fed position
     hidden: torch.Tensor | None  # [positions, n_layers * hidden] states at the captured layers
+    linear_snapshot: LinearSnapshot | None = None  # hybrid targets: what rollback() needs
 
 
 class TargetRunner:
@@ -27,16 +30,13 @@ class TargetRunner:
         self.device = next(model.parameters()).device
         # hidden_states index i is the output of decoder layer i-1 (index 0 = embeddings).
         self.hidden_layers = list(hidden_layers or [])
+        self.linear = LinearStateRollback(model)  # empty unless the target has linear-attention layers
 
     @property
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
     def new_cache(self) -> DynamicCache:
-        if getattr(self.config, "layer_types", None) and any(
-            t == "linear_attention" for t in self.config.layer_types
-        ):
-            raise NotImplementedError("hybrid linear-attention targets need state rollback (not supported yet)")
         cache = DynamicCache(config=self.config)
         if self.has_sliding_layers:
             # Sliding-window layers drop old positions as they go; recording keeps what a crop of
@@ -49,8 +49,20 @@ class TargetRunner:
         return any(t == "sliding_attention" for t in getattr(self.config, "layer_types", None) or [])
 
     @torch.inference_mode()
-    def forward(self, cache: DynamicCache, tokens: list[int], keep_logits: int | None = None) -> ForwardResult:
-        """Feed `tokens` after what `cache` holds; return logits for the last `keep_logits` positions."""
+    def forward(self, cache: DynamicCache, tokens: list[int], keep_logits: int | None = None,
+                rollback: bool = False) -> ForwardResult:
+        """Feed `tokens` after what `cache` holds; return logits for the last `keep_logits` positions.
+
+        `rollback`: the caller may crop some of these positions again (hybrid targets then snapshot
+        their linear-attention states first)."""
+        snap, hooks = self.linear.begin(cache) if (rollback and self.linear) else (None, [])
+        try:
+            return self._forward(cache, tokens, keep_logits, snap)
+        finally:
+            for handle in hooks:
+                handle.remove()
+
+    def _forward(self, cache, tokens, keep_logits, snap) -> ForwardResult:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, L]
         kwargs = {}
         if self.hidden_layers:
@@ -66,7 +78,7 @@ class TargetRunner:
         if self.hidden_layers:
             # [L, n_layers * hidden], concatenated in the order the drafter asked for.
             hidden = torch.cat([out.hidden_states[i][0] for i in self.hidden_layers], dim=-1)
-        return ForwardResult(logits=out.logits[0].float(), hidden=hidden)
+        return ForwardResult(logits=out.logits[0].float(), hidden=hidden, linear_snapshot=snap)
 
     def prefill(self, cache: DynamicCache, prompt_ids: list[int]) -> ForwardResult:
         """Process the prompt; logits only for its last position."""
@@ -74,12 +86,15 @@ class TargetRunner:
 
     def verify(self, cache: DynamicCache, anchor: int, draft: list[int]) -> ForwardResult:
         """Score `[anchor, d_1..d_gamma]`: row i is the target's distribution after d_i (row 0 after the anchor)."""
-        return self.forward(cache, [anchor, *draft])
+        return self.forward(cache, [anchor, *draft], rollback=bool(draft))
 
-    def rollback(self, cache: DynamicCache, rejected: int) -> None:
+    def rollback(self, cache: DynamicCache, rejected: int, result: ForwardResult) -> None:
         """Drop the last `rejected` positions (the drafts verification did not accept).
 
         With sliding-window layers crop runs every round, crop(0) included: it is also what trims
-        their recorded past back to the window."""
-        if rejected > 0 or self.has_sliding_layers:
+        their recorded past back to the window. Hybrid targets restore and replay their linear layers."""
+        if result.linear_snapshot is not None:
+            if rejected > 0:
+                self.linear.rollback(cache, result.linear_snapshot, rejected)
+        elif rejected > 0 or self.has_sliding_layers:
             cache.crop(-rejected)

@@ -153,7 +153,7 @@ class TargetWorker:
         t0 = time.perf_counter()
         result = self.runner.verify(state.cache, state.anchor, draft)
         verdict = verify_block(result.logits, draft, req.sampling, state.generator)
-        self.runner.rollback(state.cache, len(draft) - verdict.accepted)
+        self.runner.rollback(state.cache, len(draft) - verdict.accepted, result)
         stats = RoundStats(drafted=len(draft), accepted=verdict.accepted, nucleus_extra=verdict.nucleus_extra,
                            verify_s=time.perf_counter() - t0, exposed_draft_s=exposed,
                            cache_hit=state.block_cache_hit, passes=state.block_passes,

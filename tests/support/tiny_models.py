@@ -9,7 +9,7 @@ VOCAB = 96
 
 
 def tiny_config(arch: str):
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3_5TextConfig, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -22,6 +22,11 @@ def tiny_config(arch: str):
         # 5 sliding-window layers then 1 full; a window of 8 is exceeded within the first prompt.
         return Gemma3TextConfig(head_dim=8, sliding_window=8, pad_token_id=0,
                                 **{**common, "num_hidden_layers": 6})
+    if arch == "qwen3_5":
+        # Hybrid: 3 Gated DeltaNet (linear-attention) layers, then 1 full-attention layer.
+        return Qwen3_5TextConfig(head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
+                                 linear_key_head_dim=8, linear_value_head_dim=8,
+                                 **{**common, "num_hidden_layers": 4})
     raise ValueError(arch)
 
 
@@ -34,6 +39,11 @@ def tiny_model(arch: str, seed: int = 0):
     # actually predict: acceptance must happen for the equality test to exercise multi-token commits.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                # Random A_log decays the recurrent state to nothing within a token; a slow decay makes
+                # the state carry over, so a wrong state rollback changes the logits.
+                layer.linear_attn.A_log.fill_(-3.0)
     return model.eval()
 
 

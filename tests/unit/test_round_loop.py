@@ -19,7 +19,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3", "qwen3_5"])
 def model(request):
     return tiny_model(request.param)
 

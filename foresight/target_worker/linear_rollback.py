@@ -1,0 +1,68 @@
+"""Rolling back linear-attention (Gated DeltaNet) layers of hybrid targets (Qwen3.5, Qwen3-Next).
+
+Their conv and recurrent states are updated in place and cannot be cropped. Before a verify forward we
+clone those states and capture each mixer's input; once k of the L fed positions are accepted we restore
+the clones and replay only the mixer over the k kept inputs — the GDN projections for k tokens, not a
+second target forward. Full-attention layers of the same cache are cropped as usual.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LinearSnapshot:
+    states: dict[int, tuple[dict, dict]]  # layer -> (conv_states, recurrent_states) clones
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [1, L, hidden] mixer input
+    fed: int = 0  # positions fed by the verify forward
+
+
+class LinearStateRollback:
+    def __init__(self, model):
+        layers = model.model.layers
+        self.linear = {i: layer.linear_attn for i, layer in enumerate(layers) if hasattr(layer, "linear_attn")}
+
+    def __bool__(self) -> bool:
+        return bool(self.linear)
+
+    def begin(self, cache) -> tuple[LinearSnapshot, list]:
+        """Clone the linear layers' states and hook their mixers to capture this forward's inputs."""
+        snap = LinearSnapshot(states={i: (_clone(cache.layers[i].conv_states), _clone(cache.layers[i].recurrent_states))
+                                      for i in self.linear})
+        handles = [mixer.register_forward_pre_hook(_capture(snap, i), with_kwargs=True)
+                   for i, mixer in self.linear.items()]
+        return snap, handles
+
+    @torch.inference_mode()
+    def rollback(self, cache, snap: LinearSnapshot, rejected: int) -> None:
+        """Keep the first `snap.fed - rejected` fed positions in every layer of `cache`."""
+        keep = snap.fed - rejected
+        for i, layer in enumerate(cache.layers):
+            if i in self.linear:
+                conv, rec = snap.states[i]
+                _restore(layer.conv_states, conv)
+                _restore(layer.recurrent_states, rec)
+                self.linear[i](hidden_states=snap.inputs[i][:, :keep], cache=cache)
+            else:
+                layer.crop(-rejected)
+
+
+def _clone(states: dict) -> dict:
+    return {k: (v.clone() if v is not None else None) for k, v in states.items()}
+
+
+def _restore(states: dict, saved: dict) -> None:
+    for k, v in saved.items():
+        if v is not None:
+            states[k].copy_(v)
+
+
+def _capture(snap: LinearSnapshot, layer: int):
+    def hook(module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        snap.inputs[layer] = hidden.detach()
+        snap.fed = hidden.shape[1]
+
+    return hook
