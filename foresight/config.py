@@ -37,6 +37,7 @@ class EngineConfig:
     drafter_threads: int = 1
     ngram_max: int = 4  # longest n-gram the prompt-lookup proposer matches
     ngram_min: int = 2  # 1-gram matches mostly propose wrong drafts, which cost verify time
+    draft_passes: int | None = None  # Jacobi passes after J0 (trained drafters); None = the checkpoint's default
     max_model_len: int | None = None  # None = the target's own context length
     model_name: str | None = None  # served name; None = folder name of the target
     seed: int = 0
@@ -55,6 +56,8 @@ class EngineConfig:
             raise ConfigError("thread counts must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")
+        if self.draft_passes is not None and self.draft_passes < 0:
+            raise ConfigError("draft_passes must be >= 0")
         if self.mode == "pipelined":
             raise ConfigError("mode: pipelined needs a foresight drafter, which this version does not have yet; "
                               "use --mode sync or ar")
@@ -120,6 +123,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter-threads", type=int, default=d.drafter_threads)
     g.add_argument("--ngram-max", type=int, default=d.ngram_max, help="prompt lookup: longest n-gram matched")
     g.add_argument("--ngram-min", type=int, default=d.ngram_min, help="prompt lookup: shortest n-gram matched")
+    g.add_argument("--draft-passes", type=int, default=d.draft_passes, help="trained drafter: Jacobi passes after J0")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len)
     g.add_argument("--served-model-name", dest="model_name", default=d.model_name)
     g.add_argument("--seed", type=int, default=d.seed)

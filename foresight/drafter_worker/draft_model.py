@@ -273,27 +273,27 @@ class DraftModel(nn.Module):
     @torch.inference_mode()
     def extend_context(self, ctx: ContextKV | None, states: torch.Tensor, start: int) -> ContextKV:
         """Append target states [n, n_src*H_t] for positions start..start+n-1; keep the newest window."""
+        w = self.config.context_window
+        if ctx is not None and len(ctx) and int(ctx.positions[-1]) + 1 != start:
+            raise ValueError(f"context gap: have up to {int(ctx.positions[-1])}, got states from {start}")
+        if states.shape[0] >= w:  # a long chunk (a prompt) replaces everything: project only its window
+            ctx, start, states = None, start + states.shape[0] - w, states[-w:]
         states = states.to(self.device)
         positions = torch.arange(start, start + states.shape[0], device=self.device)
         proj = self.project_context(states[None])  # [1, n, H]
         keys, values = self.context_kv(proj, positions[None])
         keys, values = [k[0] for k in keys], [v[0] for v in values]
         if ctx is not None and len(ctx):
-            if int(ctx.positions[-1]) + 1 != start:
-                raise ValueError(f"context gap: have up to {int(ctx.positions[-1])}, got states from {start}")
             keys = [torch.cat([a, b]) for a, b in zip(ctx.keys, keys)]
             values = [torch.cat([a, b]) for a, b in zip(ctx.values, values)]
             positions = torch.cat([ctx.positions, positions])
-        w = self.config.context_window
         if len(positions) > w:
             keys, values, positions = [k[-w:] for k in keys], [v[-w:] for v in values], positions[-w:]
         return ContextKV(keys, values, positions, proj[0, -1])
 
     def encode_context(self, states: torch.Tensor) -> ContextKV:
         """Target states of positions 0..T-1 [T, n_src*H_t] (only the last window is kept)."""
-        w = self.config.context_window
-        start = max(0, states.shape[0] - w)
-        return self.extend_context(None, states[start:], start)
+        return self.extend_context(None, states, 0)
 
     @torch.inference_mode()
     def draft(self, contexts: list[ContextKV], anchors: torch.Tensor, noise: torch.Tensor, passes: int = 1,

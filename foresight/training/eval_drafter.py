@@ -62,7 +62,7 @@ def speculate(runner: TargetRunner, proposer, prompt: list[int], max_tokens: int
         t1 = time.perf_counter()
         result = runner.verify(cache, ctx.tokens[-1], draft)
         verdict = verify(result.logits, draft, temperature=temperature, generator=gen)
-        runner.rollback(cache, len(draft) - verdict.accepted)
+        runner.rollback(cache, len(draft) - verdict.accepted, result)
         verify_s += time.perf_counter() - t1
         draft_s += t1 - t0
         ctx.last_block = draft
@@ -81,6 +81,7 @@ def load_proposer(spec: str, target, device: str, dtype: torch.dtype):
         return NgramProposer()
     from ..drafter_worker.jetspec_proposer import JetSpecProposer
 
+    dtype = dtype if device.startswith("cuda") else torch.float32  # as the drafter worker does on CPU
     return JetSpecProposer.load(spec, target, device, dtype)
 
 

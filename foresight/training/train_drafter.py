@@ -48,8 +48,9 @@ class TrainSettings:
 
 def lr_at(step: int, s: TrainSettings) -> float:
     """Warmup, constant, cosine decay to 0 over the last `decay_frac` of the steps."""
-    if step < s.warmup:
-        return s.lr * (step + 1) / s.warmup
+    warmup = min(s.warmup, max(1, s.steps // 10))
+    if step < warmup:
+        return s.lr * (step + 1) / warmup
     start = int(s.steps * (1 - s.decay_frac))
     if step < start:
         return s.lr
@@ -165,7 +166,7 @@ def write_report(model: DraftModel, s: TrainSettings, step: int, history: list[d
     summary = {k: sum(h[k] for h in tail) / len(tail) for k in ("loss", "top1", "j0_len", "s")} if tail else {}
     report = {"steps_done": step, "settings": asdict(s), "params": model.num_trainable(),
               "vocab_subset": len(model.vocab_subset), "data": model.config.extra.get("data"),
-              "last50_mean": summary, "history": history}
+              "last50_mean": summary, "history": history[::max(1, len(history) // 500)]}
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     try:
         _plot(history, out / "loss.png")

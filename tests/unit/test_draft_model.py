@@ -194,10 +194,11 @@ def test_sync_greedy_with_random_drafter_equals_plain_greedy(tmp_path):
     path = save_tiny_model("llama", tmp_path)
     model = tiny_model("llama")
     make_drafter(model).save(tmp_path / "drafter")
-    cfg = EngineConfig(drafter=str(tmp_path / "drafter"), target=str(path), block_size=6, dtype="float32")
+    cfg = EngineConfig(drafter=str(tmp_path / "drafter"), target=str(path), block_size=6, dtype="float32",
+                       draft_passes=2)
     engine = InProcessEngine(model, cfg)
     try:
-        assert engine.drafter.proposer.name == "jetspec"
+        assert engine.drafter.proposer.name == "jetspec" and engine.drafter.proposer.passes == 2
         for prompt in PROMPTS:
             got = engine.generate(prompt, 30, mode="sync", temperature=0.0)
             assert got["error"] is None

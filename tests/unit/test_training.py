@@ -176,9 +176,9 @@ def test_training_steps_lower_the_loss(data_dir, target):
     s = TrainSettings(num_layers=1, block_size=8, context_window=32, vocab_subset=0, seed=0)
     model = build_model(target, data, s).train()
     batch = sample_blocks(data, torch.Generator().manual_seed(1), 2, 4, 8, 32, torch.arange(VOCAB))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for _ in range(25):
+    for _ in range(45):
         loss, _ = kl_loss(model, batch)
         opt.zero_grad()
         loss.backward()
