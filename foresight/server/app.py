@@ -54,6 +54,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def on_validation_error(request: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in err.get("loc", []) if p != "body"]
+        metrics.record_failure("bad_request")
         if err.get("type") == "json_invalid":
             return error(400, "the request body is not valid JSON", None)
         param = loc[0] if loc else None
@@ -89,12 +90,14 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         if not engine.healthy:
             return error(503, "the engine is not ready (loading, or a worker died and is being restarted)")
         if not engine.can_admit():
+            metrics.record_failure("queue_full")
             return error(429, f"the server is busy: {engine.waiting} requests are already waiting")
         runner: RequestRunner = state["runner"]
         try:
             prompt_ids, param = runner.prompt_ids(body)
             request = runner.build(body, prompt_ids, param)
         except BadRequest as exc:
+            metrics.record_failure("bad_request")
             return error(400, str(exc), exc.param)
         if body.stream:
             return StreamingResponse(stream(runner, body, request, chat), media_type="text/event-stream")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..protocol.messages import GenerateRequest, RoundStats, SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .engine_client import EngineClient
+from .engine_client import EngineClient, RequestError
 from .openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
@@ -120,26 +120,32 @@ class RequestRunner:
         if self.metrics:
             self.metrics.record_prompt_tokens(len(request.prompt_ids))
         reason = None
-        async for out in self.engine.generate(request):
-            now = time.perf_counter()
-            self._record_timing(n_tokens, now - start, now - last)
-            last = now
-            n_tokens += len(out.token_ids)
-            for stats in out.rounds:
-                tally.add(stats, len(out.token_ids))
+        try:
+            async for out in self.engine.generate(request):
+                now = time.perf_counter()
+                self._record_timing(n_tokens, now - start, now - last)
+                last = now
+                n_tokens += len(out.token_ids)
+                for stats in out.rounds:
+                    tally.add(stats, len(out.token_ids))
+                    if self.metrics:
+                        self.metrics.record_round(stats)
+                text = detok.add(out.token_ids, final=out.finished)
+                reason = "stop" if detok.stopped else out.finish_reason
                 if self.metrics:
-                    self.metrics.record_round(stats)
-            text = detok.add(out.token_ids, final=out.finished)
-            reason = out.finish_reason
-            if detok.stopped:
-                reason = "stop"
+                    self.metrics.record_generation_tokens(len(out.token_ids))
+                yield text, (reason if (out.finished or detok.stopped) else None), tally, n_tokens
+                if detok.stopped:
+                    break  # leaving the generator aborts the request in the engine
+        except RequestError:
+            reason = "error"
             if self.metrics:
-                self.metrics.record_generation_tokens(len(out.token_ids))
-            yield text, (reason if (out.finished or detok.stopped) else None), tally, n_tokens
-            if detok.stopped:
-                break  # leaving the generator aborts the request in the engine
-        if self.metrics and reason is not None:
-            self.metrics.record_finished(reason, time.perf_counter() - start)
+                self.metrics.record_failure("worker_error")
+            raise
+        finally:
+            # A client that went away closes this generator early: that request was aborted.
+            if self.metrics and reason != "error":
+                self.metrics.record_finished(reason or "abort", time.perf_counter() - start)
 
     def _record_timing(self, n_before: int, since_start: float, since_last: float) -> None:
         if not self.metrics:
