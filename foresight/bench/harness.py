@@ -151,6 +151,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     await engine.start()
     try:
         runner = RequestRunner(engine, tokenizer, "bench", engine.target_info()["max_model_len"])
+        drafter = engine.drafter_info().get("proposer", cfg.drafter)  # read before stop() forgets it
         requests = build_requests(runner, items, args)
         tallies = {r.label: ModeTally() for r in runs}
         await run_one(engine, _for_run(requests[0], runs[0], "warmup"), ModeTally())
@@ -164,7 +165,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     summary = {r.label: tallies[r.label].summary(r.mode, ar) for r in mode_runs}
     report = {
         "model": str(cfg.target or "SmolLM2-135M-Instruct (embedded default)"),
-        "drafter": engine.drafter_info().get("proposer", cfg.drafter),
+        "drafter": drafter,
         "machine": machine_info(cfg),
         "settings": {"prompts": args.prompts, "n_prompts": len(requests), "temperature": args.temperature,
                      "max_tokens": args.max_tokens, "block_size": cfg.block_size, "verification": cfg.verification,

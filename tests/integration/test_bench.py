@@ -28,6 +28,7 @@ def test_bench_report(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
     assert set(report) >= {"model", "drafter", "machine", "settings", "modes", "ratios", "nucleus"}
     assert set(report["modes"]) == {"ar", "sync"}
+    assert report["drafter"] == "ngram"
     for mode in ("ar", "sync"):
         assert set(report["modes"][mode]) == MODE_FIELDS
         assert report["modes"][mode]["outputs_match_ar"] == 1.0  # greedy + exact verification is lossless
