@@ -58,20 +58,17 @@ class EngineConfig:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")
         if self.draft_passes is not None and self.draft_passes < 0:
             raise ConfigError("draft_passes must be >= 0")
-        if self.mode == "pipelined":
-            raise ConfigError("mode: pipelined needs a foresight drafter, which this version does not have yet; "
-                              "use --mode sync or ar")
 
     @property
     def gamma(self) -> int:
         """Draft tokens per block (the block holds the anchor plus gamma drafts)."""
         return self.block_size - 1
 
-    def resolved_mode(self) -> str:
+    def resolved_mode(self, foresight: bool) -> str:
         """`auto` picks pipelined only for drafters that support foresight."""
         if self.mode != "auto":
             return self.mode
-        return "sync"  # no shipped foresight drafter yet: ngram and trained drafters run sync
+        return "pipelined" if foresight else "sync"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, EngineConfig
+from ..config import MODES, ConfigError, EngineConfig
 from ..protocol.messages import GenerateRequest
 from ..server.engine_client import EngineClient
 from ..server.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -123,9 +123,9 @@ class Run:
 def plan_runs(args: argparse.Namespace, cfg: EngineConfig) -> tuple[list[Run], list[Run]]:
     """The mode runs (server verification rule) and the nucleus-comparison runs."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("ar", "sync")]
+    bad = [m for m in modes if m not in MODES]
     if bad:
-        raise ConfigError(f"modes: {bad} not available; choose from ar, sync (pipelined needs a foresight drafter)")
+        raise ConfigError(f"modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}")
     mode_runs = [Run(m, m, cfg.verification, cfg.nucleus_threshold) for m in modes]
     thetas = [float(t) for t in args.nucleus_thresholds.split(",") if t.strip()]
     if any(not 0 < t <= 1 for t in thetas):
@@ -152,6 +152,8 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     try:
         runner = RequestRunner(engine, tokenizer, "bench", engine.target_info()["max_model_len"])
         drafter = engine.drafter_info().get("proposer", cfg.drafter)  # read before stop() forgets it
+        if any(r.mode == "pipelined" for r in runs) and not engine.drafter_info().get("supports_foresight"):
+            raise ConfigError(f"modes: pipelined needs a drafter that supports foresight; {drafter!r} does not")
         requests = build_requests(runner, items, args)
         tallies = {r.label: ModeTally() for r in runs}
         await run_one(engine, _for_run(requests[0], runs[0], "warmup"), ModeTally())

@@ -6,6 +6,8 @@ from typing import Protocol
 
 import torch
 
+from .speculation_cache import CacheEntry
+
 
 @dataclass(slots=True)
 class DraftContext:
@@ -17,6 +19,7 @@ class DraftContext:
     hidden: list[torch.Tensor] = field(default_factory=list)  # chunks of [positions, n_layers * hidden]
     last_block: list[int] = field(default_factory=list)  # drafts sent for the round being verified
     round: int = 0
+    pipelined: bool = False  # pre-draft for expected outcomes while the target verifies
     drafter_state: object = None  # the proposer's own per-request state (e.g. cached context K/V)
 
     def absorb(self, accepted: int, bonus: int, hidden: torch.Tensor | None) -> None:
@@ -36,3 +39,12 @@ class Proposer(Protocol):
     supports_foresight: bool
 
     def propose(self, ctx: DraftContext, max_drafts: int) -> list[int]: ...
+
+
+class ForesightProposer(Proposer, Protocol):
+    """A proposer that can pre-draft for the outcomes of the block under verification (pipelined mode)."""
+
+    def foresee(self, ctx: DraftContext, block: list[int], max_drafts: int, budget_s: float) -> list[CacheEntry]:
+        """While the target verifies `block` (drafted after `ctx.tokens`), pre-draft blocks for the
+        outcomes (k, a) it expects, within about `budget_s` seconds of work (the last verify time)."""
+        ...

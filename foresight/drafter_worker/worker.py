@@ -1,14 +1,18 @@
 """The drafter worker process: keeps each request's draft context and answers outcomes with blocks.
 
 Sync mode: each `Outcome` is absorbed into the request's context and answered with a fresh block.
-Pipelined mode (foresight drafters) will pre-draft while the target verifies; the loop already
-keeps drafting off the socket edges so that work can slot in between messages.
+Pipelined mode: right after sending a block the drafter queues foresight for it; whenever no message
+is waiting it runs the oldest job, pre-drafting blocks for the outcomes it expects into the
+speculation cache. The next `Outcome` is answered from the cache on a hit, else by a fallback draft.
+Messages always go first: foresight never delays an answer the target is waiting for.
 """
 from __future__ import annotations
 
 import os
 import time
 import traceback
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -20,8 +24,17 @@ from ..protocol.sockets import MessageSocket
 from ..protocol.liveness import report_death
 from .ngram import NgramProposer
 from .proposer import DraftContext, Proposer
+from .speculation_cache import SpeculationCache
 
 IDLE_POLL_MS = 100
+VERIFY_EMA = 0.2  # weight of the newest verify time in the foresight budget estimate
+
+
+@dataclass(slots=True, frozen=True)
+class ForesightJob:
+    req_id: str
+    round: int  # the round whose block the target is verifying now
+    max_drafts: int
 
 
 def make_proposer(cfg: EngineConfig) -> Proposer:
@@ -42,6 +55,9 @@ class DrafterWorker:
         self.send_to_target = MessageSocket(ctx, zmq.PUSH, addrs.drafter_to_target, bind=False)
         self.send_to_api = MessageSocket(ctx, zmq.PUSH, addrs.workers_to_api, bind=False)
         self.contexts: dict[str, DraftContext] = {}
+        self.cache = SpeculationCache()
+        self.jobs: deque[ForesightJob] = deque()
+        self.verify_s = 0.0  # running estimate of the target's verify time: the foresight budget
         self.stopping = False
         self.handlers = {
             StartDraft: self.on_start,
@@ -55,33 +71,63 @@ class DrafterWorker:
             "proposer": self.proposer.name, "hidden_layers": self.proposer.hidden_layers,
             "supports_foresight": self.proposer.supports_foresight}))
         while not self.stopping:
-            msg = self.recv_from_target.recv(timeout_ms=IDLE_POLL_MS)
+            msg = self.recv_from_target.recv(timeout_ms=0 if self.jobs else IDLE_POLL_MS)
             if msg is not None:
                 self.handlers[type(msg)](msg)
+            elif self.jobs:
+                self.run_foresight(self.jobs.popleft())
 
     def on_start(self, msg: StartDraft) -> None:
         hidden = [msg.hidden] if msg.hidden is not None else []
         self.contexts[msg.req_id] = DraftContext(req_id=msg.req_id, tokens=list(msg.prompt_ids), seed=msg.seed,
-                                                 hidden=hidden)
+                                                 hidden=hidden, pipelined=msg.mode == "pipelined")
 
     def on_outcome(self, msg: Outcome) -> None:
+        """Verification of the last block ended at (k, a): answer with the next block at once."""
         ctx = self.contexts.get(msg.req_id)
         if ctx is None:
             return  # released meanwhile
+        if msg.verify_s > 0:
+            self.verify_s += VERIFY_EMA * (msg.verify_s - self.verify_s) if self.verify_s else msg.verify_s
         ctx.absorb(msg.accepted, msg.bonus, msg.hidden)
         ctx.round = msg.round
         t0 = time.perf_counter()
+        entry = self.cache.lookup(msg.req_id, msg.round, msg.accepted, msg.bonus) if ctx.pipelined else None
+        if entry is not None:
+            tokens = list(entry.tokens[: msg.max_drafts])
+        else:
+            tokens = self.propose(ctx, msg.max_drafts)
+        ctx.last_block = tokens
+        self.send_to_target.send(DraftBlock(
+            req_id=msg.req_id, round=msg.round, tokens=tokens,
+            cache_hit=(entry is not None) if ctx.pipelined else None,
+            passes=entry.passes if entry else 0, refreshes=entry.refreshes if entry else 0,
+            draft_s=time.perf_counter() - t0))
+        if ctx.pipelined and tokens:
+            self.jobs.append(ForesightJob(msg.req_id, msg.round, msg.max_drafts))
+
+    def propose(self, ctx: DraftContext, max_drafts: int) -> list[int]:
         try:
-            tokens = self.proposer.propose(ctx, msg.max_drafts)[: msg.max_drafts]
+            return self.proposer.propose(ctx, max_drafts)[:max_drafts]
         except Exception:  # a failing proposal costs this round its drafts, never the request
             traceback.print_exc()
-            tokens = []
-        ctx.last_block = tokens
-        self.send_to_target.send(DraftBlock(req_id=msg.req_id, round=msg.round, tokens=tokens,
-                                            draft_s=time.perf_counter() - t0))
+            return []
+
+    def run_foresight(self, job: ForesightJob) -> None:
+        """Pre-draft for the outcomes of `job.round`'s block, unless that outcome already arrived."""
+        ctx = self.contexts.get(job.req_id)
+        if ctx is None or ctx.round != job.round:
+            return  # released, or the target was faster than us: the job is stale
+        try:
+            entries = self.proposer.foresee(ctx, ctx.last_block, job.max_drafts, self.verify_s)
+        except Exception:
+            traceback.print_exc()
+            return
+        self.cache.fill(job.req_id, job.round + 1, entries)
 
     def on_release(self, msg: ReleaseDraft) -> None:
         self.contexts.pop(msg.req_id, None)
+        self.cache.drop(msg.req_id)
 
     def on_shutdown(self, msg: Shutdown) -> None:
         self.stopping = True

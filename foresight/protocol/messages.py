@@ -136,6 +136,7 @@ class StartDraft:
     req_id: str
     prompt_ids: list[int]
     seed: int  # for the drafter's own noise; derived so it never mirrors the target's draws
+    mode: str = "sync"  # "sync" | "pipelined": pre-draft for expected outcomes while the target verifies
     hidden: torch.Tensor | None = None  # [prompt_len, n_layers * hidden] or None
 
 
@@ -152,6 +153,7 @@ class Outcome:
     accepted: int
     bonus: int
     max_drafts: int  # at most this many draft tokens are wanted (limits near max_tokens)
+    verify_s: float = 0.0  # the target's last verify time: the drafter's foresight budget (paper Eq. 3)
     hidden: torch.Tensor | None = None  # [accepted + 1, n_layers * hidden] states of committed positions
 
 

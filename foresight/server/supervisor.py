@@ -66,7 +66,13 @@ class Supervisor:
         self.healthy = False
         drafter = await self._spawn("drafter", "foresight.drafter_worker.worker", (self.cfg.to_dict(), self.addrs.to_dict()))
         layers = list(drafter.info.get("hidden_layers", []))
-        await self._spawn("target", "foresight.target_worker.worker", (self.cfg.to_dict(), self.addrs.to_dict(), layers))
+        foresight = bool(drafter.info.get("supports_foresight", False))
+        if self.cfg.mode == "pipelined" and not foresight:
+            self._kill(self.workers["drafter"])
+            raise WorkerStartError(f"mode pipelined needs a drafter that supports foresight; "
+                                   f"{drafter.info.get('proposer')!r} does not (use --mode sync or ar)")
+        await self._spawn("target", "foresight.target_worker.worker",
+                          (self.cfg.to_dict(), self.addrs.to_dict(), layers, foresight))
         self.healthy = True
 
     async def _spawn(self, name: str, module: str, args: tuple) -> WorkerReady:

@@ -22,6 +22,7 @@ class RequestState:
     block_cache_hit: bool | None = None
     block_passes: int = 0
     block_refreshes: int = 0
+    last_verify_s: float = 0.0  # the drafter's foresight budget for the next round
     outcome_sent_at: float = 0.0  # when we asked the drafter for `round`'s block
     block_received_at: float = 0.0
     arrived_at: float = field(default_factory=time.perf_counter)

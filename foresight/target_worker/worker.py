@@ -43,8 +43,9 @@ IDLE_POLL_MS = 100
 
 class TargetWorker:
     def __init__(self, cfg: EngineConfig, addrs: WorkerAddresses, runner: TargetRunner, ctx: zmq.Context,
-                 eos_token_ids: list[int], max_model_len: int):
+                 eos_token_ids: list[int], max_model_len: int, foresight: bool = False):
         self.cfg = cfg
+        self.foresight = foresight  # the drafter can pre-draft (pipelined mode is available)
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -105,10 +106,10 @@ class TargetWorker:
     # ------------------------------------------------------------------ handlers
 
     def on_generate(self, req: GenerateRequest) -> None:
-        mode = req.mode or self.cfg.resolved_mode()
-        if mode not in ("ar", "sync"):
+        mode = req.mode or self.cfg.resolved_mode(self.foresight)
+        if mode == "pipelined" and not self.foresight:
             self.send_to_api.send(RequestFailed(req_id=req.req_id, status=400,
-                                                error=f"mode {mode!r} is not available (no foresight drafter yet)"))
+                                                error="mode 'pipelined' needs a drafter that supports foresight"))
             return
         seed = req.sampling.seed
         if seed is None:
@@ -142,7 +143,7 @@ class TargetWorker:
         verdict = verify_block(result.logits, [], req.sampling, state.generator)
         if state.mode != "ar":
             self.send_to_drafter.send(StartDraft(req_id=req.req_id, prompt_ids=req.prompt_ids,
-                                                 seed=drafter_seed(state.generator),
+                                                 seed=drafter_seed(state.generator), mode=state.mode,
                                                  hidden=result.hidden))
         self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True)
 
@@ -154,8 +155,9 @@ class TargetWorker:
         result = self.runner.verify(state.cache, state.anchor, draft)
         verdict = verify_block(result.logits, draft, req.sampling, state.generator)
         self.runner.rollback(state.cache, len(draft) - verdict.accepted, result)
+        state.last_verify_s = time.perf_counter() - t0
         stats = RoundStats(drafted=len(draft), accepted=verdict.accepted, nucleus_extra=verdict.nucleus_extra,
-                           verify_s=time.perf_counter() - t0, exposed_draft_s=exposed,
+                           verify_s=state.last_verify_s, exposed_draft_s=exposed,
                            cache_hit=state.block_cache_hit, passes=state.block_passes,
                            refreshes=state.block_refreshes)
         committed = draft[: verdict.accepted] + [verdict.token]
@@ -180,7 +182,7 @@ class TargetWorker:
             state.outcome_sent_at = time.perf_counter()
             self.send_to_drafter.send(Outcome(req_id=state.req_id, round=state.round, accepted=accepted,
                                               bonus=state.anchor, max_drafts=self.max_drafts(state),
-                                              hidden=hidden))
+                                              verify_s=state.last_verify_s, hidden=hidden))
 
     def apply_stops(self, state: RequestState, tokens: list[int]) -> tuple[list[int], str | None]:
         req = state.request
@@ -208,7 +210,7 @@ class TargetWorker:
             self.send_to_drafter.send(ReleaseDraft(req_id=req_id))
 
 
-def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int]) -> None:
+def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], foresight: bool = False) -> None:
     """Process entry point (spawned by the launcher)."""
     cfg = EngineConfig.from_dict(cfg_dict)
     addrs = WorkerAddresses.from_dict(addrs_dict)
@@ -220,7 +222,7 @@ def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int]) -> None:
         model = load_target(path, resolve_dtype(cfg.dtype, cfg.target_device), cfg.target_device)
         runner = TargetRunner(model, hidden_layers)
         max_len = cfg.max_model_len or model.config.max_position_embeddings
-        worker = TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len)
+        worker = TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, foresight)
         worker.run()
     except BaseException as exc:
         report_death(ctx, addrs, "target", exc)

@@ -19,17 +19,18 @@ from foresight.target_worker.worker import TargetWorker, eos_ids
 
 
 class InProcessEngine:
-    def __init__(self, model, cfg: EngineConfig | None = None, max_model_len: int | None = None):
+    def __init__(self, model, cfg: EngineConfig | None = None, max_model_len: int | None = None, proposer=None):
         self.cfg = cfg or EngineConfig(drafter="ngram")
         self.addrs = WorkerAddresses.fresh()
         self.ctx = zmq.Context()
         self.send_to_target = MessageSocket(self.ctx, zmq.PUSH, self.addrs.api_to_target, bind=True)
         self.recv_from_workers = MessageSocket(self.ctx, zmq.PULL, self.addrs.workers_to_api, bind=True)
-        proposer = make_proposer(self.cfg)
+        proposer = proposer or make_proposer(self.cfg)
         self.drafter = DrafterWorker(self.cfg, self.addrs, proposer, self.ctx)
         runner = TargetRunner(model, proposer.hidden_layers)
         self.target = TargetWorker(self.cfg, self.addrs, runner, self.ctx, eos_ids(model),
-                                   max_model_len or model.config.max_position_embeddings)
+                                   max_model_len or model.config.max_position_embeddings,
+                                   foresight=proposer.supports_foresight)
         self.threads = [threading.Thread(target=w.run, daemon=True) for w in (self.drafter, self.target)]
         for t in self.threads:
             t.start()

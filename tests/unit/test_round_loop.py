@@ -109,12 +109,3 @@ def test_stale_block_is_dropped(model):
         assert state.block == [1, 2]
     finally:
         ctx.destroy(linger=0)
-
-
-def test_pipelined_mode_is_refused_until_a_foresight_drafter_exists(engine):
-    from foresight.config import ConfigError
-
-    got = engine.generate(PROMPTS[0], 5, mode="pipelined", temperature=0.0)
-    assert got["error"] and "pipelined" in got["error"]
-    with pytest.raises(ConfigError, match="mode"):
-        EngineConfig(mode="pipelined")
