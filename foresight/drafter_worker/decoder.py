@@ -170,7 +170,7 @@ class ForesightDecoder:
         position_embeddings = self.rotary_emb(h, position_ids=position_ids)  # (cos, sin) [batch, T, head_dim]
         mask = create_causal_mask(
             config=self.config, inputs_embeds=h, attention_mask=None, cache=kv,
-            position_ids=position_ids,
+            position_ids=position_ids, layer_idx=self.first_layer,
         )
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_ids=position_ids, cache=kv, use_cache=True,
