@@ -123,6 +123,13 @@ class ForesightDecoder:
                       to the context before it only.
         returns       [gamma+1, vocab] (or [batch, gamma+1, vocab]); row j = logits after d_1..d_j.
         """
+        return self.logits_and_hidden(cache, block_states, start_pos)[0]
+
+    @torch.inference_mode()
+    def logits_and_hidden(self, cache: DecoderCache, block_states: torch.Tensor,
+                          start_pos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logits` plus the final-normed states it read them from (hidden_states index L, in the
+        decoder's dtype): [(batch,) gamma+1, vocab] float32 and [(batch,) gamma+1, hidden]."""
         length = cache.length
         start_pos = length if start_pos is None else start_pos
         if not 0 <= start_pos <= length:
@@ -130,9 +137,9 @@ class ForesightDecoder:
         squeeze = block_states.dim() == 2
         blocks = block_states[None] if squeeze else block_states  # [batch, gamma+1, hidden]
         view = self._view(cache, upto=start_pos, batch=blocks.shape[0])  # context KV; cache untouched
-        h = self._layers(blocks, start_pos, view)  # [batch, gamma+1, hidden]
-        out = self.lm_head(self.norm(h)).float()  # [batch, gamma+1, vocab]
-        return out[0] if squeeze else out
+        h = self.norm(self._layers(blocks, start_pos, view))  # [batch, gamma+1, hidden]
+        out = self.lm_head(h).float()  # [batch, gamma+1, vocab]
+        return (out[0], h[0]) if squeeze else (out, h)
 
     def score(self, cache: DecoderCache, block_states: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
         """p_hat(. | j) for every prefix j of the block: softmax of `logits` at temperature 1.

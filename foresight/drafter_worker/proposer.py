@@ -20,6 +20,7 @@ class DraftContext:
     last_block: list[int] = field(default_factory=list)  # drafts sent for the round being verified
     round: int = 0
     pipelined: bool = False  # pre-draft for expected outcomes while the target verifies
+    temperature: float = 1.0  # the request's sampling temperature
     drafter_state: object = None  # the proposer's own per-request state (e.g. cached context K/V)
 
     def absorb(self, accepted: int, bonus: int, hidden: torch.Tensor | None) -> None:

@@ -80,7 +80,8 @@ class DrafterWorker:
     def on_start(self, msg: StartDraft) -> None:
         hidden = [msg.hidden] if msg.hidden is not None else []
         self.contexts[msg.req_id] = DraftContext(req_id=msg.req_id, tokens=list(msg.prompt_ids), seed=msg.seed,
-                                                 hidden=hidden, pipelined=msg.mode == "pipelined")
+                                                 hidden=hidden, pipelined=msg.mode == "pipelined",
+                                                 temperature=msg.temperature)
 
     def on_outcome(self, msg: Outcome) -> None:
         """Verification of the last block ended at (k, a): answer with the next block at once."""

@@ -137,6 +137,7 @@ class StartDraft:
     prompt_ids: list[int]
     seed: int  # for the drafter's own noise; derived so it never mirrors the target's draws
     mode: str = "sync"  # "sync" | "pipelined": pre-draft for expected outcomes while the target verifies
+    temperature: float = 1.0  # the request's sampling temperature (foresight ranks outcomes for it)
     hidden: torch.Tensor | None = None  # [prompt_len, n_layers * hidden] or None
 
 

@@ -144,6 +144,7 @@ class TargetWorker:
         if state.mode != "ar":
             self.send_to_drafter.send(StartDraft(req_id=req.req_id, prompt_ids=req.prompt_ids,
                                                  seed=drafter_seed(state.generator), mode=state.mode,
+                                                 temperature=req.sampling.temperature,
                                                  hidden=result.hidden))
         self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True)
 
