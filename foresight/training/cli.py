@@ -4,6 +4,8 @@
         phase "label": teacher-force the target over stdlib conversations (and, with --regen N, over its own
         answers to N prompts) and store hidden states + top-k once in the data dir (resumable);
         phase "train": train the draft model on the labelled data, checkpointing into --out (resumable).
+    foresight train adapter --data-dir DIR --out DIR [--steps N] [--resume] [--threads T] [--device cpu|cuda]
+        train the hidden-to-hidden adapter on labelled data (resumable; see training/train_adapter.py).
     foresight eval-drafter --drafter DIR [--prompts humaneval] [--limit N] [--temperatures 0,1]
                            [--block-sizes 8,16,32] [--passes 0,1,2,3] --out report.json
 """
@@ -55,6 +57,25 @@ def add_train_args(sub) -> None:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--resume", action="store_true", help="continue the training state in --out")
 
+    a = what.add_parser("adapter", help="train the hidden-to-hidden adapter on labelled data")
+    a.add_argument("--data-dir", required=True, help="labelled data (from `train drafter --phase label`)")
+    a.add_argument("--out", required=True, help="checkpoint folder to write (and resume from)")
+    a.add_argument("--target", default=None, help="target HF folder (default: embedded SmolLM2-135M-Instruct)")
+    a.add_argument("--device", default="cpu")
+    a.add_argument("--steps", type=int, default=None)
+    a.add_argument("--batch-seqs", type=int, default=None)
+    a.add_argument("--anchors", type=int, default=None, help="blocks per sequence per step")
+    a.add_argument("--block-size", type=int, default=None, help="gamma + 1")
+    a.add_argument("--layers-per-stage", type=int, default=None)
+    a.add_argument("--bottom-layers", type=int, default=None,
+                   help="depth of the bottom stage (default: --layers-per-stage); 3 = all layers below index 3")
+    a.add_argument("--indices", default=None, help="comma list of target hidden-state indices to predict")
+    a.add_argument("--lr", type=float, default=None)
+    a.add_argument("--ckpt-every", type=int, default=None)
+    a.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
+    a.add_argument("--seed", type=int, default=None)
+    a.add_argument("--resume", action="store_true", help="continue the training state in --out")
+
     e = sub.add_parser("eval-drafter", help="offline speculative decoding with a drafter: tau per J, T, block size")
     e.add_argument("--drafter", required=True, help="drafter checkpoint folder (or ngram)")
     e.add_argument("--target", default=None)
@@ -81,7 +102,28 @@ def run(args: argparse.Namespace) -> int:
         report = run_eval(args)
         print(json.dumps(report["summary"], indent=1))
         return 0
+    if args.train_what == "adapter":
+        return train_adapter_cmd(args)
     return train_drafter(args)
+
+
+def train_adapter_cmd(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..target_worker.loading import load_target, resolve_target
+    from .dataset import LabelledData
+    from .train_adapter import AdapterTrainSettings, train_adapter
+
+    given = dict(steps=args.steps, batch_seqs=args.batch_seqs, anchors=args.anchors, block_size=args.block_size,
+                 layers_per_stage=args.layers_per_stage, bottom_layers=args.bottom_layers, lr=args.lr, ckpt_every=args.ckpt_every, seed=args.seed,
+                 target_indices=[int(x) for x in args.indices.split(",")] if args.indices else None)
+    s = AdapterTrainSettings(device=args.device, **{k: v for k, v in given.items() if v is not None})
+    target = load_target(resolve_target(args.target), torch.float32, args.device)
+    t0 = time.perf_counter()
+    report = train_adapter(target, LabelledData(args.data_dir), Path(args.out), s, resume=args.resume)
+    print(json.dumps({"out": args.out, "steps_done": report["steps_done"], "last50_mean": report["last50_mean"],
+                      "train_s": time.perf_counter() - t0}, indent=1))
+    return 0
 
 
 def train_drafter(args: argparse.Namespace) -> int:

@@ -133,15 +133,20 @@ def sample_blocks(data: LabelledData, gen: torch.Generator, n_seqs: int, n_ancho
     return BlockBatch(block_idx=block_idx.contiguous(), weights=weights, **out)
 
 
-def _sequence_blocks(data: LabelledData, i: int, gen: torch.Generator, n_anchors: int, block: int, window: int,
-                     spread: int) -> dict:
-    tokens = data.seq_tokens(i)
-    length = len(tokens)
+def pick_anchors(length: int, gen: torch.Generator, n_anchors: int, block: int, spread: int) -> tuple[int, int, list[int]]:
+    """`n_anchors` anchor positions in [lo, hi), a span of at most `spread * block` positions, each with a whole
+    block after it (anchor + block - 1 < length) and at least one position before it."""
     last = length - block  # the last anchor whose block targets all exist
     span = spread * block
     lo = int(torch.randint(1, max(2, last - span + 2), (1,), generator=gen))
     hi = min(lo + span, last + 1)
-    anchors = torch.randint(lo, hi, (n_anchors,), generator=gen).tolist()
+    return lo, hi, torch.randint(lo, hi, (n_anchors,), generator=gen).tolist()
+
+
+def _sequence_blocks(data: LabelledData, i: int, gen: torch.Generator, n_anchors: int, block: int, window: int,
+                     spread: int) -> dict:
+    tokens = data.seq_tokens(i)
+    lo, hi, anchors = pick_anchors(len(tokens), gen, n_anchors, block, spread)
     c0 = max(0, lo - window)
     c1 = max(anchors)  # context states needed: positions c0 .. max anchor - 1
     topk_ids = data.read(i, "topk_ids", lo, hi + block - 1).long()

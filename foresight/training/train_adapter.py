@@ -1,0 +1,267 @@
+"""Training the hidden-to-hidden adapter (JetSpec++ section 4.2, DESIGN sections 4-5).
+
+A batch: sequences of the labelled data (chosen in proportion to length), several blocks each. A block
+starts at an anchor n: its inputs are the TRUE tokens y_n..y_{n+gamma}, its context the TRUE target states of
+positions 0..n-1 at the adapter's indices, its targets the true states of positions n..n+gamma. The stages
+run stacked as at inference (stage l reads stage l-'s prediction; gradients flow through the chain).
+
+    loss = mean over indices l of  mean_{blocks, positions} [ SmoothL1(h_hat / s_l, h / s_l) + (1 - cos(h_hat, h)) ]
+
+Per-index normalisation: s_l is a fixed scalar per index, the RMS of the true states at l over a sample of
+the data (positions >= 1, estimated once at the start and kept in the training state). Residual-stream
+norms grow with depth (SmolLM2: RMS ~1 at index 3, tens at 15-27, outlier channels to 2.6e4), so raw Smooth
+L1 would be dominated by the deepest index; divided by s_l every index's error is in units of its own
+typical scale. The cosine term is scale-free by construction.
+
+Also logged: per-index cosine, and the fraction of the "copy" gap recovered,
+1 - MSE(pred) / MSE(copy), where "copy" predicts every block position with the true state of position n-1
+(the last verified state) -- the baseline of the paper's appendix A.
+
+AdamW, warmup / constant / cosine decay (`lr_at` of the drafter), seeded: the batch of step t depends only
+on (seed, t), so a resumed run sees the same batches as an uninterrupted one. The output folder is the
+checkpoint (config.json + model.safetensors, fp16) plus report.json, loss.png and train_state.pt.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..drafter_worker.adapter import Adapter, AdapterConfig, default_adapter_indices
+from .dataset import LabelledData, pick_anchors
+from .train_drafter import _smooth, lr_at
+
+STATE_FILE = "train_state.pt"
+
+
+@dataclass(slots=True)
+class AdapterTrainSettings:
+    steps: int = 4000
+    batch_seqs: int = 4  # sequences per step
+    anchors: int = 8  # blocks per sequence
+    block_size: int = 16  # gamma + 1
+    spread: int = 4  # anchors of a sequence lie within spread * block positions (they share one context)
+    layers_per_stage: int = 1
+    bottom_layers: int | None = None  # depth of the bottom stage (default layers_per_stage); see Adapter.from_target
+    target_indices: list[int] | None = None  # default: the data's raw indices below the final norm
+    lr: float = 2e-4  # the stages start from target layers: a fine-tune, not training from scratch
+    warmup: int = 100
+    decay_frac: float = 0.25
+    weight_decay: float = 0.0  # decay would pull the copied target weights toward 0
+    grad_clip: float = 1.0
+    smooth_l1_beta: float = 1.0
+    ckpt_every: int = 200
+    seed: int = 0
+    device: str = "cpu"
+
+
+@dataclass(slots=True)
+class AdapterBatch:
+    ctx_states: torch.Tensor  # [S, T, F] true states of positions 0..T-1 (adapter indices), zero-padded
+    tokens: torch.Tensor  # [S, Q] true block tokens (Q = anchors * block)
+    positions: torch.Tensor  # [S, Q]
+    mask: torch.Tensor  # [S, Q, T+Q] bool: context positions < the block's anchor, causal inside the block
+    targets: torch.Tensor  # [S, Q, F] true states of the block positions
+    copy: torch.Tensor  # [S, Q, F] true state of the position before the block's anchor (baseline)
+
+    def to(self, device) -> "AdapterBatch":
+        return AdapterBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def columns(data: LabelledData, indices: list[int], hidden: int) -> torch.Tensor:
+    """Column ids of `indices` in the data's concatenated hidden states."""
+    layers = list(data.meta["layers"])
+    missing = [i for i in indices if i not in layers]
+    if missing:
+        raise ValueError(f"data dir {data.path} holds indices {layers}; adapter needs {missing}")
+    return torch.cat([torch.arange(layers.index(i) * hidden, (layers.index(i) + 1) * hidden) for i in indices])
+
+
+def sample_adapter_blocks(data: LabelledData, gen: torch.Generator, cols: torch.Tensor, n_seqs: int, n_anchors: int,
+                          block: int, spread: int = 4) -> AdapterBatch:
+    usable = (data.lengths - block).clamp(min=0)
+    if float(usable.sum()) <= 0:
+        raise ValueError(f"no labelled sequence is longer than the block ({block})")
+    seqs = torch.multinomial(usable, n_seqs, replacement=True, generator=gen).tolist()
+    parts = []
+    for i in seqs:
+        tokens = data.seq_tokens(i)
+        lo, hi, anchors = pick_anchors(len(tokens), gen, n_anchors, block, spread)
+        states = data.read(i, "hidden", 0, hi + block - 1)[:, cols]  # positions 0 .. last block end
+        parts.append((tokens, anchors, states))
+    t = max(max(a) for _, a, _ in parts)
+    q, f = n_anchors * block, len(cols)
+    out = dict(ctx_states=torch.zeros(n_seqs, t, f, dtype=torch.float16), tokens=torch.zeros(n_seqs, q, dtype=torch.long),
+               positions=torch.zeros(n_seqs, q, dtype=torch.long), mask=torch.zeros(n_seqs, q, t + q, dtype=torch.bool),
+               targets=torch.zeros(n_seqs, q, f, dtype=torch.float16), copy=torch.zeros(n_seqs, q, f, dtype=torch.float16))
+    idx = torch.arange(block)
+    causal = torch.ones(block, block, dtype=torch.bool).tril()
+    ctx_pos = torch.arange(t)
+    for row, (tokens, anchors, states) in enumerate(parts):
+        n_ctx = max(anchors)
+        out["ctx_states"][row, :n_ctx] = states[:n_ctx]
+        for a, n in enumerate(anchors):
+            sl = slice(a * block, (a + 1) * block)
+            out["tokens"][row, sl] = tokens[n:n + block]
+            out["positions"][row, sl] = n + idx
+            out["mask"][row, sl, :t] = (ctx_pos < n)[None]
+            out["mask"][row, sl, t + a * block:t + (a + 1) * block] = causal
+            out["targets"][row, sl] = states[n:n + block]
+            out["copy"][row, sl] = states[n - 1]
+    return AdapterBatch(**out)
+
+
+def estimate_scales(data: LabelledData, cols: torch.Tensor, n_idx: int, seed: int, n_seqs: int = 32) -> list[float]:
+    """Per index, the RMS of the true states over positions >= 1 of a few sequences."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    seqs = torch.randperm(len(data), generator=gen)[:n_seqs].tolist()
+    acc, count = torch.zeros(n_idx, dtype=torch.float64), 0
+    for i in seqs:
+        n = int(data.lengths[i])
+        x = data.read(i, "hidden", 1, n)[:, cols].double().unflatten(-1, (n_idx, -1))  # [N, n_idx, H]
+        acc += x.pow(2).mean(-1).sum(0)
+        count += x.shape[0]
+    return [float(v) for v in (acc / max(count, 1)).sqrt()]
+
+
+def adapter_loss(model: Adapter, batch: AdapterBatch, scales: torch.Tensor, beta: float = 1.0) -> tuple[torch.Tensor, dict]:
+    n_idx = len(scales)
+    pred = model.forward_blocks(batch.ctx_states, batch.tokens, batch.positions, batch.mask)
+    shape = (n_idx, model.config.hidden_size)
+    p = pred.float().unflatten(-1, shape)  # [S, Q, n_idx, H]
+    t = batch.targets.float().unflatten(-1, shape)
+    s = scales.to(p.device)[:, None]
+    l1 = F.smooth_l1_loss(p / s, t / s, reduction="none", beta=beta).mean(-1)  # [S, Q, n_idx]
+    cos = F.cosine_similarity(p, t, dim=-1)  # [S, Q, n_idx]
+    per_index = (l1 + 1 - cos).mean((0, 1))  # [n_idx]
+    loss = per_index.mean()
+    with torch.no_grad():
+        c = batch.copy.float().unflatten(-1, shape)
+        mse = ((p - t) / s).pow(2).mean((0, 1, 3))
+        mse_copy = ((c - t) / s).pow(2).mean((0, 1, 3))
+        stats = {"cos": [float(v) for v in cos.mean((0, 1))], "smooth_l1": [float(v) for v in l1.mean((0, 1))],
+                 "gap_recovered": [float(v) for v in 1 - mse / mse_copy.clamp_min(1e-12)]}
+    return loss, stats
+
+
+def build_adapter(target, data: LabelledData, s: AdapterTrainSettings) -> Adapter:
+    n_layers = target.config.num_hidden_layers
+    indices = s.target_indices or [i for i in data.meta["layers"] if i < n_layers] or default_adapter_indices(n_layers)
+    s.target_indices = list(indices)
+    model = Adapter.from_target(target, indices, s.layers_per_stage, s.bottom_layers)
+    model.config.target_name = data.meta.get("target_name", model.config.target_name)
+    return model.float()
+
+
+def train_adapter(target, data: LabelledData, out: Path, s: AdapterTrainSettings, resume: bool = False,
+                  log=print) -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / STATE_FILE
+    if state_path.exists() and not resume:
+        raise FileExistsError(f"{state_path} exists: pass --resume to continue it, or use another --out")
+    state = torch.load(state_path, map_location="cpu", weights_only=False) if resume and state_path.exists() else None
+    if state is not None:
+        s = AdapterTrainSettings(**{**state["settings"], "steps": s.steps, "device": s.device, "ckpt_every": s.ckpt_every})
+    device = torch.device(s.device)
+    torch.manual_seed(s.seed)
+    if state is None:
+        model = build_adapter(target, data, s)
+    else:
+        model = Adapter(AdapterConfig.from_dict(state["config"]), target).float()
+        model.load_state_dict(state["model"])
+    model = model.to(device).train()
+    cols = columns(data, model.target_indices, model.config.hidden_size)
+    scales = state["scales"] if state is not None else estimate_scales(data, cols, len(model.target_indices), s.seed)
+    scales_t = torch.tensor(scales, dtype=torch.float32)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=s.lr, betas=(0.9, 0.95),
+                            weight_decay=s.weight_decay)
+    history: list[dict] = []
+    step = 0
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        history, step = state["history"], state["step"]
+        log(f"[train] resumed at step {step} from {state_path}")
+    model.config.extra = {"train": asdict(s), "loss_scales": scales,
+                          "data": {"tokens": data.num_tokens, "sequences": len(data), "path": str(data.path)}}
+    bar = tqdm(total=s.steps, initial=step, unit="step", desc="train adapter", dynamic_ncols=True)
+    while step < s.steps:
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed(s.seed * 1_000_003 + step)
+        batch = sample_adapter_blocks(data, gen, cols, s.batch_seqs, s.anchors, s.block_size, s.spread).to(device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, s)
+        loss, stats = adapter_loss(model, batch, scales_t, s.smooth_l1_beta)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        opt.step()
+        step += 1
+        history.append({"step": step, "loss": loss.item(), **stats, "grad_norm": float(grad_norm),
+                        "lr": opt.param_groups[0]["lr"], "s": time.perf_counter() - t0})
+        bar.update(1)
+        bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", cos="/".join(f"{c:.3f}" for c in stats["cos"]),
+                        gap="/".join(f"{g:.2f}" for g in stats["gap_recovered"]))
+        if step % s.ckpt_every == 0 or step == s.steps:
+            save_all(model, opt, s, scales, step, history, out)
+    bar.close()
+    if not (out / "report.json").exists() or json.loads((out / "report.json").read_text())["steps_done"] != step:
+        save_all(model, opt, s, scales, step, history, out)
+    return json.loads((out / "report.json").read_text())
+
+
+def save_all(model: Adapter, opt, s: AdapterTrainSettings, scales: list[float], step: int, history: list[dict],
+             out: Path) -> None:
+    """The checkpoint folder (fp16), the resumable state, and the report."""
+    model.config.extra["steps_done"] = step
+    model.save(out)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
+             "settings": asdict(s), "config": model.config.to_dict(), "scales": scales}
+    tmp = out / (STATE_FILE + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(out / STATE_FILE)
+    tail = history[-50:]
+    summary = {}
+    if tail:
+        summary = {k: sum(h[k] for h in tail) / len(tail) for k in ("loss", "s")}
+        for k in ("cos", "smooth_l1", "gap_recovered"):
+            summary[k] = [sum(h[k][j] for h in tail) / len(tail) for j in range(len(tail[0][k]))]
+    report = {"steps_done": step, "settings": asdict(s), "target_indices": model.target_indices,
+              "loss_scales": scales, "params": model.num_trainable(), "data": model.config.extra.get("data"),
+              "last50_mean": summary, "history": history[::max(1, len(history) // 500)]}
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    try:
+        _plot(history, model.target_indices, out / "loss.png")
+    except Exception as exc:  # a report without its chart is still a report
+        print(f"[train] loss plot failed: {exc}")
+
+
+def _plot(history: list[dict], indices: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not history:
+        return
+    steps = [h["step"] for h in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(steps, [h["loss"] for h in history], lw=0.5, alpha=0.5, label="loss")
+    ax1.plot(steps, _smooth([h["loss"] for h in history]), lw=1.5, label="smoothed")
+    ax1.set_xlabel("step"), ax1.set_yscale("log"), ax1.legend(), ax1.set_title("Smooth L1 + cosine distance")
+    for j, ell in enumerate(indices):
+        ax2.plot(steps, _smooth([h["cos"][j] for h in history]), label=f"cos, index {ell}")
+        ax2.plot(steps, _smooth([h["gap_recovered"][j] for h in history]), ls="--", label=f"copy gap recovered, {ell}")
+    ax2.set_xlabel("step"), ax2.legend(fontsize=7), ax2.set_title("agreement with the true states")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+__all__ = ["AdapterTrainSettings", "AdapterBatch", "sample_adapter_blocks", "adapter_loss", "estimate_scales",
+           "build_adapter", "train_adapter"]
