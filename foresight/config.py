@@ -25,6 +25,7 @@ class EngineConfig:
 
     target: str | None = None  # local HF folder; None = the embedded default
     drafter: str = "auto"  # "auto" | "ngram" | PATH to a trained drafter folder
+    adapter: str = "auto"  # "auto" (<drafter>/adapter if present) | "none" | PATH: foresight for pipelined mode
     mode: str = "auto"  # "auto" | "ar" | "sync" | "pipelined"
     verification: str = "exact"
     nucleus_threshold: float = 0.95
@@ -108,6 +109,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and speculation")
     g.add_argument("--target", default=d.target, help="local Hugging Face causal-LM folder (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--drafter", default=d.drafter, help="auto | ngram | PATH to a trained drafter")
+    g.add_argument("--adapter", default=d.adapter, help="auto | none | PATH to a trained adapter (foresight)")
     g.add_argument("--mode", default=d.mode, choices=("auto",) + MODES)
     g.add_argument("--verification", default=d.verification, choices=VERIFICATIONS)
     g.add_argument("--nucleus-threshold", type=float, default=d.nucleus_threshold)

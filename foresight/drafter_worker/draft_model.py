@@ -376,12 +376,13 @@ class DraftModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def is_checkpoint(path: str | Path) -> bool:
+def is_checkpoint(path: str | Path, fmt: str = FORMAT) -> bool:
+    """A folder holding config.json (whose "format" is `fmt`) and model.safetensors."""
     path = Path(path)
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
         return False
     try:
-        return json.loads((path / CONFIG_FILE).read_text()).get("format") == FORMAT
+        return json.loads((path / CONFIG_FILE).read_text()).get("format") == fmt
     except (OSError, ValueError):
         return False
 

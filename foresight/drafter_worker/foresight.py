@@ -29,12 +29,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from ..config import ConfigError, EngineConfig
 from .decoder import DecoderCache, ForesightDecoder
-from .draft_model import ContextKV, DraftModel, draw_noise
-from .jetspec_proposer import JetSpecProposer
+from .draft_model import ContextKV, DraftModel, SharedWeights, draw_noise, is_checkpoint
+from .jetspec_proposer import JetSpecProposer, load_drafter_target
 from .outcomes import Outcome, outcome_scores, select_outcomes
 from .proposer import DraftContext
 from .speculation_cache import CacheEntry
@@ -255,3 +257,29 @@ class ForesightDrafter(JetSpecProposer):
         self.stats = ForesightStats(len(picked), t1 - t0, t3 - t2, t3 - t0)
         return [CacheEntry(accepted=o.k, bonus=o.a, tokens=tuple(d), score=o.score, passes=self.foresight_passes)
                 for o, d in zip(picked, drafts)]
+
+
+def resolve_adapter_path(cfg: EngineConfig, drafter_path: Path) -> Path | None:
+    """`auto`: the adapter shipped beside the drafter (`<drafter>/adapter`), if any; `none`: no foresight."""
+    from .adapter import FORMAT as ADAPTER_FORMAT
+
+    if cfg.adapter == "none":
+        return None
+    if cfg.adapter == "auto":
+        path = drafter_path / "adapter"
+        return path if is_checkpoint(path, ADAPTER_FORMAT) else None
+    path = Path(cfg.adapter).expanduser()
+    if not is_checkpoint(path, ADAPTER_FORMAT):
+        raise ConfigError(f"adapter: {path} is not an adapter checkpoint folder (config.json + model.safetensors)")
+    return path
+
+
+def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineConfig) -> ForesightDrafter:
+    """Draft model + adapter from their checkpoints, decoder = the target's layers above the adapter's top index."""
+    from .adapter import Adapter
+
+    target, dtype = load_drafter_target(cfg)
+    model = DraftModel.load(drafter_path, SharedWeights.from_target(target), cfg.drafter_device, dtype)
+    adapter = Adapter.load(adapter_path, target, cfg.drafter_device, dtype)
+    decoder = ForesightDecoder(target, n_layers=target.config.num_hidden_layers - max(adapter.target_indices))
+    return ForesightDrafter(model, adapter, decoder, passes=cfg.draft_passes, cache_size=cfg.cache_size)

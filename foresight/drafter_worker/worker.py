@@ -38,13 +38,18 @@ class ForesightJob:
 
 
 def make_proposer(cfg: EngineConfig) -> Proposer:
-    """A checkpoint folder (or, for `auto`, the shipped drafter of the embedded default) -> JetSpec; else ngram."""
+    """ngram; or a draft-model checkpoint (`auto`: the shipped one of the embedded default) -> JetSpec,
+    with foresight (pipelined mode) when an adapter checkpoint comes with it."""
+    from .foresight import foresight_from_config, resolve_adapter_path
     from .jetspec_proposer import JetSpecProposer, resolve_drafter_path
 
     path = resolve_drafter_path(cfg)
     if path is None:
         return NgramProposer(cfg.ngram_max, cfg.ngram_min)
-    return JetSpecProposer.from_config(path, cfg)
+    adapter = resolve_adapter_path(cfg, path)
+    if adapter is None:
+        return JetSpecProposer.from_config(path, cfg)
+    return foresight_from_config(path, adapter, cfg)
 
 
 class DrafterWorker:

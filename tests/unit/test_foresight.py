@@ -170,3 +170,28 @@ def test_pipelined_engine_is_lossless_and_hits_the_cache(target, sequences):
         engine.close()
     assert hits > 0
     print(f"\ncache hit rate at T=0 with the oracle adapter: {hits}/{rounds} = {hits / rounds:.2f}")
+
+
+def test_make_proposer_picks_foresight_when_an_adapter_ships_beside_the_drafter(tmp_path):
+    """Checkpoint folders -> the right proposer: draft model alone = sync only; with adapter/ = foresight."""
+    from foresight.config import EngineConfig
+    from foresight.drafter_worker.adapter import Adapter
+    from foresight.drafter_worker.draft_model import DraftConfig, DraftModel, SharedWeights
+    from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
+    from foresight.drafter_worker.worker import make_proposer
+    from support.tiny_models import save_tiny_model, tiny_model
+
+    target_dir = save_tiny_model("llama", tmp_path)
+    target = tiny_model("llama")
+    n = target.config.num_hidden_layers
+    draft = DraftModel(DraftConfig.for_target(target.config, target_layers=[1, 2, n], num_layers=1),
+                       SharedWeights.from_target(target))
+    draft.save(tmp_path / "drafter")
+    cfg = EngineConfig(target=str(target_dir), drafter=str(tmp_path / "drafter"))
+    sync_only = make_proposer(cfg)
+    assert type(sync_only) is JetSpecProposer and not sync_only.supports_foresight
+    Adapter.from_target(target, target_indices=[1, 2]).save(tmp_path / "drafter" / "adapter")
+    with_foresight = make_proposer(cfg)
+    assert with_foresight.supports_foresight and with_foresight.decoder.input_index == 2
+    assert not make_proposer(EngineConfig(target=str(target_dir), drafter=str(tmp_path / "drafter"),
+                                          adapter="none")).supports_foresight
