@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .decoder import SUPPORTED_MODEL_TYPES
-from .draft_model import SharedWeights, _rope, default_target_layers
+from .draft_model import SharedWeights, _rope, default_target_layers, is_checkpoint
 
 FORMAT = "foresight-adapter"
 CONFIG_FILE = "config.json"
@@ -343,10 +343,4 @@ class Adapter(nn.Module):
 
 
 def is_adapter_checkpoint(path: str | Path) -> bool:
-    path = Path(path)
-    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
-        return False
-    try:
-        return json.loads((path / CONFIG_FILE).read_text()).get("format") == FORMAT
-    except (OSError, ValueError):
-        return False
+    return is_checkpoint(path, FORMAT)

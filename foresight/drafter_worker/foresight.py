@@ -35,7 +35,7 @@ import torch
 
 from ..config import ConfigError, EngineConfig
 from .decoder import DecoderCache, ForesightDecoder
-from .draft_model import ContextKV, DraftModel, SharedWeights, draw_noise, is_checkpoint
+from .draft_model import ContextKV, DraftModel, SharedWeights, draw_noise
 from .jetspec_proposer import JetSpecProposer, load_drafter_target
 from .outcomes import Outcome, outcome_scores, select_outcomes
 from .proposer import DraftContext
@@ -261,15 +261,15 @@ class ForesightDrafter(JetSpecProposer):
 
 def resolve_adapter_path(cfg: EngineConfig, drafter_path: Path) -> Path | None:
     """`auto`: the adapter shipped beside the drafter (`<drafter>/adapter`), if any; `none`: no foresight."""
-    from .adapter import FORMAT as ADAPTER_FORMAT
+    from .adapter import is_adapter_checkpoint
 
     if cfg.adapter == "none":
         return None
     if cfg.adapter == "auto":
         path = drafter_path / "adapter"
-        return path if is_checkpoint(path, ADAPTER_FORMAT) else None
+        return path if is_adapter_checkpoint(path) else None
     path = Path(cfg.adapter).expanduser()
-    if not is_checkpoint(path, ADAPTER_FORMAT):
+    if not is_adapter_checkpoint(path):
         raise ConfigError(f"adapter: {path} is not an adapter checkpoint folder (config.json + model.safetensors)")
     return path
 

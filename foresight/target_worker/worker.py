@@ -28,7 +28,6 @@ from ..protocol.messages import (
     Shutdown,
     StartDraft,
     TokenOutput,
-    WorkerDead,
     WorkerReady,
 )
 from ..protocol.liveness import report_death

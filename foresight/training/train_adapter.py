@@ -34,9 +34,9 @@ from tqdm import tqdm
 
 from ..drafter_worker.adapter import Adapter, AdapterConfig, default_adapter_indices
 from .dataset import LabelledData, pick_anchors
-from .train_drafter import _smooth, lr_at
+from .run_files import STATE_FILE, save_state, tail_mean, write_report
+from .train_drafter import lr_at
 
-STATE_FILE = "train_state.pt"
 
 
 @dataclass(slots=True)
@@ -220,47 +220,17 @@ def save_all(model: Adapter, opt, s: AdapterTrainSettings, scales: list[float], 
     """The checkpoint folder (fp16), the resumable state, and the report."""
     model.config.extra["steps_done"] = step
     model.save(out)
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
-             "settings": asdict(s), "config": model.config.to_dict(), "scales": scales}
-    tmp = out / (STATE_FILE + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(out / STATE_FILE)
-    tail = history[-50:]
-    summary = {}
-    if tail:
-        summary = {k: sum(h[k] for h in tail) / len(tail) for k in ("loss", "s")}
-        for k in ("cos", "smooth_l1", "gap_recovered"):
-            summary[k] = [sum(h[k][j] for h in tail) / len(tail) for j in range(len(tail[0][k]))]
+    save_state(out, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
+                     "settings": asdict(s), "config": model.config.to_dict(), "scales": scales})
     report = {"steps_done": step, "settings": asdict(s), "target_indices": model.target_indices,
               "loss_scales": scales, "params": model.num_trainable(), "data": model.config.extra.get("data"),
-              "last50_mean": summary, "history": history[::max(1, len(history) // 500)]}
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    try:
-        _plot(history, model.target_indices, out / "loss.png")
-    except Exception as exc:  # a report without its chart is still a report
-        print(f"[train] loss plot failed: {exc}")
-
-
-def _plot(history: list[dict], indices: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if not history:
-        return
-    steps = [h["step"] for h in history]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot(steps, [h["loss"] for h in history], lw=0.5, alpha=0.5, label="loss")
-    ax1.plot(steps, _smooth([h["loss"] for h in history]), lw=1.5, label="smoothed")
-    ax1.set_xlabel("step"), ax1.set_yscale("log"), ax1.legend(), ax1.set_title("Smooth L1 + cosine distance")
-    for j, ell in enumerate(indices):
-        ax2.plot(steps, _smooth([h["cos"][j] for h in history]), label=f"cos, index {ell}")
-        ax2.plot(steps, _smooth([h["gap_recovered"][j] for h in history]), ls="--", label=f"copy gap recovered, {ell}")
-    ax2.set_xlabel("step"), ax2.legend(fontsize=7), ax2.set_title("agreement with the true states")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+              "last50_mean": tail_mean(history, ("loss", "s", "cos", "smooth_l1", "gap_recovered"))}
+    curves = []
+    for j, ell in enumerate(model.target_indices):
+        curves.append((f"cos, index {ell}", [h["cos"][j] for h in history], "-"))
+        curves.append((f"copy gap recovered, {ell}", [h["gap_recovered"][j] for h in history], "--"))
+    write_report(out, report, history, "Smooth L1 + cosine distance", "loss", curves,
+                 "agreement with the true states")
 
 
 __all__ = ["AdapterTrainSettings", "AdapterBatch", "sample_adapter_blocks", "adapter_loss", "estimate_scales",

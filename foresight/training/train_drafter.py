@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from ..drafter_worker.draft_model import DraftConfig, DraftModel, SharedWeights
 from .dataset import BlockBatch, LabelledData, choose_vocab_subset, sample_blocks
+from .run_files import STATE_FILE, save_state, tail_mean, write_report
 
-STATE_FILE = "train_state.pt"
 
 
 @dataclass(slots=True)
@@ -153,54 +153,14 @@ def save_all(model: DraftModel, opt, s: TrainSettings, step: int, history: list[
     """The checkpoint folder (fp16), the resumable state, and the report."""
     model.config.extra["steps_done"] = step
     model.save(out)
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
-             "settings": asdict(s), "config": model.config.to_dict(), "vocab_subset": model.vocab_subset.cpu()}
-    tmp = out / (STATE_FILE + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(out / STATE_FILE)
-    write_report(model, s, step, history, out)
-
-
-def write_report(model: DraftModel, s: TrainSettings, step: int, history: list[dict], out: Path) -> None:
-    tail = history[-50:]
-    summary = {k: sum(h[k] for h in tail) / len(tail) for k in ("loss", "top1", "j0_len", "s")} if tail else {}
+    save_state(out, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
+                     "settings": asdict(s), "config": model.config.to_dict(), "vocab_subset": model.vocab_subset.cpu()})
     report = {"steps_done": step, "settings": asdict(s), "params": model.num_trainable(),
               "vocab_subset": len(model.vocab_subset), "data": model.config.extra.get("data"),
-              "last50_mean": summary, "history": history[::max(1, len(history) // 500)]}
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    try:
-        _plot(history, out / "loss.png")
-    except Exception as exc:  # a report without its chart is still a report
-        print(f"[train] loss plot failed: {exc}")
-
-
-def _plot(history: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if not history:
-        return
-    steps = [h["step"] for h in history]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot(steps, [h["loss"] for h in history], lw=0.5, alpha=0.5, label="loss (weighted KL)")
-    ax1.plot(steps, _smooth([h["loss"] for h in history]), lw=1.5, label="smoothed")
-    ax1.set_xlabel("step"), ax1.set_yscale("log"), ax1.legend(), ax1.set_title("forward KL")
-    ax2.plot(steps, _smooth([h["top1"] for h in history]), label="top-1 agreement")
-    ax2.plot(steps, _smooth([h["j0_len"] for h in history]), label="J0 matched prefix (noised blocks)")
-    ax2.set_xlabel("step"), ax2.legend(), ax2.set_title("agreement with the target")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _smooth(xs: list[float], k: int = 50) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc = x if i == 0 else acc + (x - acc) / min(i + 1, k)
-        out.append(acc)
-    return out
+              "last50_mean": tail_mean(history, ("loss", "top1", "j0_len", "s"))}
+    curves = [("top-1 agreement", [h["top1"] for h in history], "-"),
+              ("J0 matched prefix (noised blocks)", [h["j0_len"] for h in history], "-")]
+    write_report(out, report, history, "forward KL", "loss (weighted KL)", curves, "agreement with the target")
 
 
 __all__ = ["TrainSettings", "train", "kl_loss", "lr_at", "build_model"]

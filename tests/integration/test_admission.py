@@ -1,7 +1,6 @@
 """Admission and cancellation: a full queue answers 429, a client that goes away aborts its request."""
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx

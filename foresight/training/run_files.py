@@ -1,0 +1,77 @@
+"""What a training run writes beside its checkpoint: the resumable state, report.json and loss.png.
+
+Shared by the drafter and adapter trainers, which differ only in what they measure per step.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+STATE_FILE = "train_state.pt"  # fp32 weights + optimizer, for --resume; never committed
+REPORT_FILE = "report.json"
+PLOT_FILE = "loss.png"
+MAX_HISTORY = 500  # history rows kept in the report (evenly thinned)
+
+
+def save_state(out: Path, state: dict) -> None:
+    """Write the resumable state atomically (a crash mid-write leaves the previous state intact)."""
+    tmp = out / (STATE_FILE + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(out / STATE_FILE)
+
+
+def tail_mean(history: list[dict], keys: tuple[str, ...], n: int = 50) -> dict:
+    """Mean of each key over the last `n` steps; list-valued keys are averaged element-wise."""
+    tail = history[-n:]
+    if not tail:
+        return {}
+    out = {}
+    for k in keys:
+        if isinstance(tail[0][k], list):
+            out[k] = [sum(h[k][j] for h in tail) / len(tail) for j in range(len(tail[0][k]))]
+        else:
+            out[k] = sum(h[k] for h in tail) / len(tail)
+    return out
+
+
+def write_report(out: Path, report: dict, history: list[dict], loss_title: str, loss_label: str,
+                 curves: list[tuple[str, list[float], str]], curves_title: str) -> None:
+    """report.json (with the thinned history) and a two-panel loss.png: loss, then `curves`
+    as (label, per-step values, line style)."""
+    report = {**report, "history": history[::max(1, len(history) // MAX_HISTORY)]}
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
+    try:
+        _plot(history, out / PLOT_FILE, loss_title, loss_label, curves, curves_title)
+    except Exception as exc:  # a report without its chart is still a report
+        print(f"[train] loss plot failed: {exc}")
+
+
+def _plot(history, path, loss_title, loss_label, curves, curves_title) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not history:
+        return
+    steps = [h["step"] for h in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(steps, [h["loss"] for h in history], lw=0.5, alpha=0.5, label=loss_label)
+    ax1.plot(steps, smooth([h["loss"] for h in history]), lw=1.5, label="smoothed")
+    ax1.set_xlabel("step"), ax1.set_yscale("log"), ax1.legend(), ax1.set_title(loss_title)
+    for label, values, style in curves:
+        ax2.plot(steps, smooth(values), ls=style, label=label)
+    ax2.set_xlabel("step"), ax2.legend(fontsize=7), ax2.set_title(curves_title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def smooth(xs: list[float], k: int = 50) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc = x if i == 0 else acc + (x - acc) / min(i + 1, k)
+        out.append(acc)
+    return out
