@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 MODES = ("ar", "sync", "pipelined")
 VERIFICATIONS = ("exact", "nucleus")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+REFINEMENTS = ("none", "refresh", "anchor")  # self-refinement of pre-drafted blocks (pipelined)
+VERIFY_LENGTHS = ("auto", "max")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -31,6 +33,7 @@ class EngineConfig:
     nucleus_threshold: float = 0.95
     block_size: int = 8  # anchor + gamma draft tokens verified per round
     cache_size: int = 4  # speculation cache entries (B) in pipelined mode
+    verify_length: str = "auto"  # "auto": send the prefix with the most expected tokens/s | "max": every draft
     dtype: str = "auto"
     target_device: str = "cpu"
     drafter_device: str = "cpu"
@@ -39,6 +42,8 @@ class EngineConfig:
     ngram_max: int = 4  # longest n-gram the prompt-lookup proposer matches
     ngram_min: int = 2  # 1-gram matches mostly propose wrong drafts, which cost verify time
     draft_passes: int | None = None  # Jacobi passes after J0 (trained drafters); None = the checkpoint's default
+    draft_refreshes: int | None = None  # pipelined: context refreshes per pre-drafted block at most; None = up to J
+    refinement: str = "anchor"  # pipelined: "none" (passes only) | "refresh" | "anchor" (refresh + anchor replacement)
     max_model_len: int | None = None  # None = the target's own context length
     model_name: str | None = None  # served name; None = folder name of the target
     seed: int = 0
@@ -47,6 +52,7 @@ class EngineConfig:
         _check_choice("mode", self.mode, ("auto",) + MODES)
         _check_choice("verification", self.verification, VERIFICATIONS)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("verify_length", self.verify_length, VERIFY_LENGTHS)
         if not 0.0 < self.nucleus_threshold <= 1.0:
             raise ConfigError("nucleus_threshold must lie in (0, 1]")
         if not 2 <= self.block_size <= 64:
@@ -59,6 +65,9 @@ class EngineConfig:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")
         if self.draft_passes is not None and self.draft_passes < 0:
             raise ConfigError("draft_passes must be >= 0")
+        if self.draft_refreshes is not None and self.draft_refreshes < 0:
+            raise ConfigError("draft_refreshes must be >= 0")
+        _check_choice("refinement", self.refinement, REFINEMENTS)
 
     @property
     def gamma(self) -> int:
@@ -115,6 +124,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nucleus-threshold", type=float, default=d.nucleus_threshold)
     g.add_argument("--block-size", type=int, default=d.block_size, help="anchor + draft tokens per verification")
     g.add_argument("--cache-size", type=int, default=d.cache_size, help="speculation cache entries (pipelined)")
+    g.add_argument("--verify-length", default=d.verify_length, choices=VERIFY_LENGTHS,
+                   help="auto: verify the prefix of each block with the most expected tokens per second; max: all drafts")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
     g.add_argument("--target-device", default=d.target_device)
     g.add_argument("--drafter-device", default=d.drafter_device)
@@ -123,6 +134,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ngram-max", type=int, default=d.ngram_max, help="prompt lookup: longest n-gram matched")
     g.add_argument("--ngram-min", type=int, default=d.ngram_min, help="prompt lookup: shortest n-gram matched")
     g.add_argument("--draft-passes", type=int, default=d.draft_passes, help="trained drafter: Jacobi passes after J0")
+    g.add_argument("--draft-refreshes", type=int, default=d.draft_refreshes,
+                   help="pipelined: context refreshes per pre-drafted block at most (default: one before each pass)")
+    g.add_argument("--refinement", default=d.refinement, choices=REFINEMENTS,
+                   help="pipelined: self-refinement of pre-drafted blocks (none: Jacobi passes only; "
+                        "refresh: + context refresh; anchor: + anchor replacement)")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len)
     g.add_argument("--served-model-name", dest="model_name", default=d.model_name)
     g.add_argument("--seed", type=int, default=d.seed)

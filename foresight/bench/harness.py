@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import MODES, ConfigError, EngineConfig
+from ..config import MODES, REFINEMENTS, ConfigError, EngineConfig
 from ..protocol.messages import GenerateRequest
 from ..server.engine_client import EngineClient
 from ..server.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -39,6 +39,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nucleus-thresholds", default="",
                    help="also run the last speculative mode with nucleus verification at these thetas "
                         "(e.g. 0.8,0.9,0.95) and compare with exact verification")
+    g.add_argument("--refinement-ablation", default="",
+                   help="also run pipelined mode with each of these self-refinement modes (e.g. none,refresh,anchor) "
+                        "and report them side by side (section 'refinement')")
 
 
 @dataclass
@@ -53,6 +56,9 @@ class ModeTally:
     verify_s: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     nucleus_extra: int = 0
+    predrafted: int = 0  # blocks served from the speculation cache (pre-drafted, refined)
+    passes: int = 0  # refinement passes spent on those blocks
+    refreshes: int = 0  # context refreshes spent on those blocks
 
     def summary(self, mode: str, ar_outputs: list[list[int]] | None) -> dict:
         ms = [1e3 * x for x in self.exposed_s]
@@ -96,6 +102,10 @@ async def run_one(engine: EngineClient, request: GenerateRequest, tally: ModeTal
             if stats.cache_hit is not None:
                 tally.lookups += 1
                 tally.hits += int(stats.cache_hit)
+            if stats.cache_hit:
+                tally.predrafted += 1
+                tally.passes += stats.passes
+                tally.refreshes += stats.refreshes
     tally.wall_s += time.perf_counter() - t0
     tally.output_tokens += len(tokens)
     tally.outputs.append(tokens)
@@ -118,6 +128,7 @@ class Run:
     mode: str
     verification: str
     theta: float
+    refinement: str | None = None  # None: the server's
 
 
 def plan_runs(args: argparse.Namespace, cfg: EngineConfig) -> tuple[list[Run], list[Run]]:
@@ -142,9 +153,20 @@ def plan_runs(args: argparse.Namespace, cfg: EngineConfig) -> tuple[list[Run], l
     return mode_runs, nucleus_runs
 
 
+def refinement_runs(args: argparse.Namespace, cfg: EngineConfig) -> list[Run]:
+    """One pipelined run per --refinement-ablation mode (server verification rule)."""
+    values = [v.strip() for v in getattr(args, "refinement_ablation", "").split(",") if v.strip()]
+    bad = [v for v in values if v not in REFINEMENTS]
+    if bad:
+        raise ConfigError(f"refinement_ablation: unknown mode(s) {bad}; choose from {', '.join(REFINEMENTS)}")
+    return [Run(f"pipelined/refinement={v}", "pipelined", cfg.verification, cfg.nucleus_threshold, v)
+            for v in dict.fromkeys(values)]
+
+
 async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     mode_runs, nucleus_runs = plan_runs(args, cfg)
-    runs = mode_runs + nucleus_runs
+    refine_runs = refinement_runs(args, cfg)
+    runs = mode_runs + nucleus_runs + refine_runs
     items = load_prompts(args.prompts, args.limit)
     tokenizer = load_tokenizer(resolve_target(cfg.target))
     engine = EngineClient(cfg)
@@ -172,14 +194,31 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
         "settings": {"prompts": args.prompts, "n_prompts": len(requests), "temperature": args.temperature,
                      "max_tokens": args.max_tokens, "block_size": cfg.block_size, "verification": cfg.verification,
                      "nucleus_threshold": cfg.nucleus_threshold, "modes": [r.mode for r in mode_runs],
-                     "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max,
+                     "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max, "refinement": cfg.refinement,
+                     "draft_passes": cfg.draft_passes, "draft_refreshes": cfg.draft_refreshes,
                      "seed": args.seed},
         "modes": summary,
         "ratios": ratios(summary),
     }
     if nucleus_runs:
         report["nucleus"] = nucleus_section(mode_runs, nucleus_runs, tallies)
+    if refine_runs:
+        report["refinement"] = refinement_section(refine_runs, tallies, ar)
     return report
+
+
+def refinement_section(runs: list[Run], tallies: dict, ar_outputs: list[list[int]] | None) -> dict:
+    """Per self-refinement mode (JetSpec++ Table 5): tau, hits, speed, exposed drafting, the passes and
+    refreshes spent per pre-drafted block, and whether the outputs equal ar's (None without an ar run)."""
+    out = {}
+    for run in runs:
+        t = tallies[run.label]
+        s = t.summary(run.mode, ar_outputs)
+        out[run.refinement] = {k: s[k] for k in ("tau", "hit_rate", "tokens_per_s", "exposed_draft_ms_mean",
+                                                 "outputs_match_ar")}
+        out[run.refinement]["passes_mean"] = t.passes / t.predrafted if t.predrafted else None
+        out[run.refinement]["refreshes_mean"] = t.refreshes / t.predrafted if t.predrafted else None
+    return out
 
 
 def nucleus_section(mode_runs: list[Run], nucleus_runs: list[Run], tallies: dict) -> dict:
@@ -210,7 +249,7 @@ def _for_run(request: GenerateRequest, run: Run, tag: str) -> GenerateRequest:
     sampling = dataclasses.replace(request.sampling, verification=run.verification, nucleus_threshold=run.theta)
     return GenerateRequest(req_id=f"bench-{run.label}-{tag}", prompt_ids=request.prompt_ids,
                            max_tokens=request.max_tokens, sampling=sampling, stop_token_ids=request.stop_token_ids,
-                           ignore_eos=request.ignore_eos, mode=run.mode)
+                           ignore_eos=request.ignore_eos, mode=run.mode, refinement=run.refinement)
 
 
 def ratios(summary: dict) -> dict:
@@ -245,7 +284,7 @@ def run_bench(args: argparse.Namespace, cfg: EngineConfig) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     write_chart(report, out.with_suffix(".png"))
-    shown = {k: report[k] for k in ("modes", "ratios", "nucleus") if k in report}
+    shown = {k: report[k] for k in ("modes", "ratios", "nucleus", "refinement") if k in report}
     print(json.dumps(shown, indent=2))
     print(f"[bench] report: {out} (chart {out.with_suffix('.png')})")
     return 0

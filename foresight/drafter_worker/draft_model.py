@@ -295,13 +295,23 @@ class DraftModel(nn.Module):
         """Target states of positions 0..T-1 [T, n_src*H_t] (only the last window is kept)."""
         return self.extend_context(None, states, 0)
 
-    @torch.inference_mode()
     def draft(self, contexts: list[ContextKV], anchors: torch.Tensor, noise: torch.Tensor, passes: int = 1,
               early_exit: bool = True) -> list[torch.Tensor]:
         """Draft a batch of blocks: row b continues contexts[b] after anchors[b].
 
         anchors [B]; noise [B, n-1] J0 input tokens; returns passes+1 tensors [B, n] of full-vocab draft ids
         (J0, J1, ...). Once the inputs stop changing (a Jacobi fixed point) later passes are copies."""
+        return self._draft(contexts, anchors, noise, passes, early_exit, with_probs=False)[0]
+
+    def draft_with_confidence(self, contexts: list[ContextKV], anchors: torch.Tensor, noise: torch.Tensor,
+                              passes: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """As `draft`, plus each pass's top-1 probability (over the vocabulary subset) of every drafted
+        token: (ids, probs), each passes+1 tensors [B, n]."""
+        return self._draft(contexts, anchors, noise, passes, True, with_probs=True)
+
+    @torch.inference_mode()
+    def _draft(self, contexts: list[ContextKV], anchors: torch.Tensor, noise: torch.Tensor, passes: int,
+               early_exit: bool, with_probs: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         dev = self.device
         b, n = len(contexts), noise.shape[1] + 1
         t = max((len(c) for c in contexts), default=0)
@@ -329,16 +339,27 @@ class DraftModel(nn.Module):
         anchors = anchors.to(dev).long()[:, None]
         inputs = torch.cat([anchors, noise.to(dev).long()], dim=1)  # [B, n]
         outs: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
         for r in range(passes + 1):
             hidden = self.forward_hidden(inputs, block_idx, positions, anchor_state, keys, values, mask)
-            ids = self.vocab_subset[self.logits(hidden).argmax(-1)]  # [B, n]
+            logits = self.logits(hidden)  # [B, n, vocab subset]
+            ids = self.vocab_subset[logits.argmax(-1)]  # [B, n]
             outs.append(ids)
+            if with_probs:
+                probs.append(torch.softmax(logits.float(), dim=-1).amax(-1))  # [B, n]
             nxt = torch.cat([anchors, ids[:, :-1]], dim=1)
             if early_exit and torch.equal(nxt, inputs):
-                outs.extend(ids for _ in range(passes - r))
+                outs.extend([ids] * (passes - r))
+                probs.extend(probs[-1:] * (passes - r))
                 break
             inputs = nxt
-        return outs
+        return outs, probs
+
+    def draft_pass(self, contexts: list[ContextKV], inputs: torch.Tensor) -> torch.Tensor:
+        """One pass from given inputs: inputs [B, n] = each row's anchor, then its Jacobi inputs (right-padding
+        is harmless: the block attends causally). Returns the drafts [B, n]; position i predicts the token
+        after input i."""
+        return self.draft(contexts, inputs[:, 0], inputs[:, 1:], passes=0)[0]
 
     def draft_from_states(self, states: torch.Tensor, tokens: list[int], n_tokens: int, passes: int = 1,
                           generator: torch.Generator | None = None) -> list[list[int]]:

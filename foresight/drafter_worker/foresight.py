@@ -11,22 +11,25 @@ While the target verifies block [y0, d_1..d_gamma] (anchor y0 at position n = le
     1. adapter   predicts the states of y0, d_1..d_gamma at positions n..n+gamma (all its indices)
     2. decoder   runs its top layers over the prediction at its input index -> p_hat rows, and the
                  final-normed states (index L) the draft model also reads
-    3. outcomes  Eq. 6 scores, the B best (Eq. 7); B = `cache_size`, fewer when the measured cost of
-                 one batched draft says they do not fit the verify time (Eq. 3)
+    3. outcomes  Eq. 6 scores, the B best (Eq. 7); B, J and R from the round's plan (`budget.py`, Eq. 3):
+                 what fits the verify time by the measured costs, within the caps
     4. drafting  outcome (k, a): context = true context + the PREDICTED states of rows 0..k
                  (positions n..n+k), anchor a at n+k+1, J0 noise from tokens + d_1..d_k + a (the
-                 request's own generator), then J Jacobi passes; all B rows in one batch
+                 request's own generator), then J-R Jacobi passes; all B rows in one batch
+    5. refining  R times: a context refresh of each row's draft, anchor replacement, one more pass over
+                 the positions after the fixed ones (`refinement.py`, section 4.3). The mode ("none",
+                 "refresh", "anchor") is the request's (`DraftContext.refinement`, from StartDraft) or
+                 the engine's.
 
 Temperature: p_hat is the decoder's softmax at temperature 1 (appendix B.1), or at the request's
 sampling temperature (`DraftContext.temperature`, sent in StartDraft; a `temperature` given at
 construction overrides it). At temperature 0 the outcome law is a point mass on the decoder's greedy path, so that
 outcome is cached first and the rest of the cache follows the temperature-1 scores.
 
-Not here yet: context refresh and anchor replacement (section 4.3), calibrated scores (appendix B.1).
+Not here yet: calibrated scores (appendix B.1).
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,16 +37,16 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, EngineConfig
+from .budget import Plan, StepCosts, plan_round
 from .decoder import DecoderCache, ForesightDecoder
 from .draft_model import ContextKV, DraftModel, SharedWeights, draw_noise
 from .jetspec_proposer import JetSpecProposer, load_drafter_target
 from .outcomes import Outcome, outcome_scores, select_outcomes
 from .proposer import DraftContext
+from .refinement import MODES, Refiner, row_contexts
 from .speculation_cache import CacheEntry
 
 __all__ = ["ForesightDrafter"]
-
-COST_EMA = 0.3  # weight of the newest measurement of the per-outcome drafting cost
 
 
 @dataclass(slots=True)
@@ -52,7 +55,6 @@ class _RequestState:
     adapter: object = None  # the adapter's context
     decoder: DecoderCache | None = None
     positions: int = 0  # context positions absorbed so far (0..positions-1)
-    chunks: int = 0  # DraftContext.hidden chunks absorbed so far
     generator: torch.Generator = field(default_factory=torch.Generator)
 
 
@@ -62,8 +64,10 @@ class ForesightStats:
 
     outcomes: int = 0  # B drafted
     predict_s: float = 0.0  # adapter + decoder + scoring
-    draft_s: float = 0.0  # the batched draft (J0 + J passes)
+    draft_s: float = 0.0  # the batched draft (J0 + J passes) and its refreshes
     total_s: float = 0.0
+    plan: Plan | None = None  # the round's plan (B, J, R caps); rows may spend less
+    mode: str = ""  # the refinement mode used
 
 
 class ForesightDrafter(JetSpecProposer):
@@ -73,18 +77,24 @@ class ForesightDrafter(JetSpecProposer):
     supports_foresight = True
 
     def __init__(self, model: DraftModel, adapter, decoder: ForesightDecoder, passes: int | None = None,
-                 cache_size: int = 4, foresight_passes: int | None = None, temperature: float | None = None):
+                 cache_size: int = 4, foresight_passes: int | None = None, temperature: float | None = None,
+                 refreshes: int | None = None, refinement: str = "anchor", use_budget: bool = True):
         """`passes`: Jacobi passes after J0 in sync mode (pipelined misses draft J0 only);
-        `foresight_passes`: passes for pre-drafted blocks (default `passes`); `cache_size`: B at most;
+        `foresight_passes`: J at most for pre-drafted blocks (default `passes`); `cache_size`: B at most;
+        `refreshes`: R at most (None: up to J); `refinement`: the default mode (none | refresh | anchor);
+        `use_budget`: False plans the caps whatever the verify time (tests, fixed-J/R ablations);
         `temperature`: the sampling temperature to score outcomes at (None: temperature 1, the paper's)."""
         super().__init__(model, passes)
         if adapter is None or decoder is None:
             raise ValueError("foresight needs both an adapter and a decoder (use JetSpecProposer without them)")
         if cache_size < 1:
             raise ValueError("cache_size must be >= 1")
+        if refinement not in MODES or (refreshes is not None and refreshes < 0):
+            raise ValueError(f"refinement must be one of {MODES} and refreshes >= 0")
         self.adapter, self.decoder = adapter, decoder
         self.cache_size = cache_size
         self.foresight_passes = self.passes if foresight_passes is None else foresight_passes
+        self.refreshes, self.refinement, self.use_budget = refreshes, refinement, use_budget
         self.temperature = temperature
         n_target = decoder.config.num_hidden_layers
         hidden = decoder.config.hidden_size
@@ -121,28 +131,27 @@ class ForesightDrafter(JetSpecProposer):
         self._draft_sources = [("adapter", adapter_idx.index(i)) if i in adapter_idx else ("decoder", 0)
                                for i in model.config.target_layers]
         self._hidden = hidden
-        self.outcome_cost_s = 0.0  # measured seconds per drafted outcome (EMA); 0 = not measured yet
+        self.costs = StepCosts()  # measured per-row costs of prediction, passes and refreshes (EMA)
         self.stats = ForesightStats()
 
     # ------------------------------------------------------------------ contexts
 
     def _absorb(self, ctx: DraftContext) -> _RequestState:
-        """Feed the new true target states (ctx.hidden chunks) into all three contexts."""
+        """Feed the target states not yet absorbed (ctx.hidden) into all three contexts."""
         state = ctx.drafter_state
         if state is None:
             state = ctx.drafter_state = _RequestState(adapter=self.adapter.new_context(),
                                                       decoder=self.decoder.new_cache())
             state.generator.manual_seed(ctx.seed)  # independent of the target's draws
-        new = ctx.hidden[state.chunks:]
-        if new:
-            states = torch.cat(new) if len(new) > 1 else new[0]  # [n, len(hidden_layers) * H]
+        states = ctx.pending_hidden()  # [n, len(hidden_layers) * H]
+        if states is not None:
             start = state.positions
             with torch.inference_mode():
                 state.draft = self.model.extend_context(state.draft, states[:, self._draft_cols], start)
                 state.adapter = self.adapter.extend_context(state.adapter, states[:, self._adapter_cols], start)
                 self.decoder.extend_context(state.decoder, states[:, self._decoder_cols], start)
             state.positions += states.shape[0]
-            state.chunks = len(ctx.hidden)
+            ctx.hidden.clear()
         return state
 
     absorb = _absorb
@@ -158,8 +167,10 @@ class ForesightDrafter(JetSpecProposer):
             return []
         noise = draw_noise(ctx.tokens, max_drafts - 1, state.generator)
         passes = 0 if ctx.pipelined else self.passes
-        outs = self.model.draft([state.draft], torch.tensor([ctx.tokens[-1]]), noise[None], passes)
-        return outs[-1][0].tolist()
+        ids, probs = self.model.draft_with_confidence([state.draft], torch.tensor([ctx.tokens[-1]]), noise[None],
+                                                      passes)
+        ctx.last_confidence = probs[-1][0].tolist()  # the verify-length controller's acceptance evidence
+        return ids[-1][0].tolist()
 
     # ------------------------------------------------------------------ foresight
 
@@ -171,9 +182,16 @@ class ForesightDrafter(JetSpecProposer):
         n = len(ctx.tokens) - 1
         if state.positions != n:
             raise ValueError(f"foresight needs the true states of positions 0..{n - 1}, have {state.positions}")
-        tokens = torch.tensor([[ctx.tokens[-1], *block]], dtype=torch.long)
-        pred = self.adapter.predict(state.adapter, tokens, n)[0]  # [gamma+1, n_adapter * H]
-        logits, normed = self.decoder.logits_and_hidden(state.decoder, pred[:, self._pred_decoder_cols], n)
+        pred, logits, normed = self.predict_rows(state, n, torch.tensor([[ctx.tokens[-1], *block]]))
+        return pred[0], logits[0], normed[0]
+
+    @torch.inference_mode()
+    def predict_rows(self, state: _RequestState, n: int, tokens: torch.Tensor):
+        """Rows of tokens [R, L] at positions n..n+L-1 over the true context (causal: right-padding is
+        harmless) -> adapter prediction [R, L, n_adapter*H], decoder logits [R, L, vocab] (float32) and
+        final-normed states [R, L, H]."""
+        pred = self.adapter.predict(state.adapter, tokens.long(), n)  # [R, L, n_adapter * H]
+        logits, normed = self.decoder.logits_and_hidden(state.decoder, pred[..., self._pred_decoder_cols], n)
         return pred, logits, normed
 
     def select(self, logits: torch.Tensor, block: list[int], B: int, temperature: float | None) -> list[Outcome]:
@@ -189,9 +207,10 @@ class ForesightDrafter(JetSpecProposer):
         return [greedy] + [o for o in picked if (o.k, o.a) != (greedy.k, greedy.a)][: B - 1]
 
     def draft_states(self, pred: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-        """The predicted states in the draft model's source order: [gamma+1, n_src * H]."""
+        """The predicted states in the draft model's source order: [(R,) L, n_src * H] from the adapter's
+        [(R,) L, n_adapter * H] and the decoder's final-normed [(R,) L, H]."""
         h = self._hidden
-        parts = [pred[:, j * h:(j + 1) * h].float() if src == "adapter" else normed.float()
+        parts = [pred[..., j * h:(j + 1) * h].float() if src == "adapter" else normed.float()
                  for src, j in self._draft_sources]
         return torch.cat(parts, dim=-1)
 
@@ -203,60 +222,58 @@ class ForesightDrafter(JetSpecProposer):
         states [gamma+1, n_src*H]: predicted draft-model states of positions n..n+gamma; noise [B, m-1].
         Row b's context is the true context + states[:k_b+1] (the newest `context_window` positions),
         its anchor a_b at position n+k_b+1. Returns the last pass's drafts [B, m]."""
-        model = self.model
-        proj = model.project_context(states[None])  # [1, gamma+1, H]
-        positions = torch.arange(n, n + states.shape[0], device=model.device)
-        keys, values = model.context_kv(proj, positions[None])
-        keys, values = [k[0] for k in keys], [v[0] for v in values]
-        base = state.draft
-        w = model.config.context_window
-        contexts = []
-        for k, _ in outcomes:
-            ks, vs, ps = [kk[:k + 1] for kk in keys], [vv[:k + 1] for vv in values], positions[:k + 1]
-            if base is not None and len(base):
-                ks = [torch.cat([a, b])[-w:] for a, b in zip(base.keys, ks)]
-                vs = [torch.cat([a, b])[-w:] for a, b in zip(base.values, vs)]
-                ps = torch.cat([base.positions, ps])[-w:]
-            contexts.append(ContextKV(ks, vs, ps, proj[0, k]))  # draft() left-pads rows of unequal length
+        contexts = row_contexts(self.model, state.draft, n, states[None], [k + 1 for k, _ in outcomes])
         anchors = torch.tensor([a for _, a in outcomes], dtype=torch.long)
-        return model.draft(contexts, anchors, noise, passes)[-1]
+        return self.model.draft(contexts, anchors, noise, passes)[-1]
 
-    def outcome_budget(self, budget_s: float, spent_s: float) -> int:
-        """Eq. 3 with a per-outcome cost: B = (verify time - prediction time) / (one outcome's J0 + J passes),
-        between 1 and `cache_size`. No budget or no measurement yet: `cache_size`."""
-        if budget_s <= 0 or self.outcome_cost_s <= 0:
-            return self.cache_size
-        fit = math.floor((budget_s - spent_s) / self.outcome_cost_s)
-        return max(1, min(self.cache_size, fit))
+    def plan(self, budget_s: float, mode: str) -> Plan:
+        """This round's B, J, R (Eq. 3, `budget.plan_round`): caps `cache_size`, `foresight_passes` and
+        `refreshes` (None: J; mode "none": 0); the caps alone without a budget or with use_budget off."""
+        j = self.foresight_passes
+        r = 0 if mode == "none" else j if self.refreshes is None else self.refreshes
+        return plan_round(self.costs, budget_s if self.use_budget else 0.0, self.cache_size, j, r)
 
     def foresee(self, ctx: DraftContext, block: list[int], max_drafts: int, budget_s: float) -> list[CacheEntry]:
         if max_drafts <= 0:
             return []
+        mode = ctx.refinement or self.refinement  # the request's, else the engine's
+        if mode not in MODES:
+            raise ValueError(f"refinement must be one of {', '.join(MODES)} (got {mode!r})")
         t0 = time.perf_counter()
         state = self._absorb(ctx)
         if state.draft is None:
             return []
-        n = len(ctx.tokens) - 1
         pred, logits, normed = self.predict(ctx, block)
         # A fixed temperature given at construction wins; else the request's own (from StartDraft).
         temperature = self.temperature if self.temperature is not None else ctx.temperature
         t1 = time.perf_counter()
-        B = self.outcome_budget(budget_s, t1 - t0)
-        picked = self.select(logits, block, B, temperature)
+        self.costs.update("predict_s", t1 - t0)
+        plan = self.plan(budget_s, mode)
+        picked = self.select(logits, block, plan.outcomes, temperature)
         if not picked:
             return []
+        refiner = self.predraft(ctx, state, block, picked, self.draft_states(pred, normed), max_drafts, plan, mode)
+        t2 = time.perf_counter()
+        self.stats = ForesightStats(len(picked), t1 - t0, t2 - t1, t2 - t0, plan, mode)
+        rows = zip(picked, refiner.drafts.tolist(), refiner.passes, refiner.refreshes)
+        return [CacheEntry(accepted=o.k, bonus=o.a, tokens=tuple(d), score=o.score, passes=j, refreshes=r)
+                for o, d, j, r in rows]
+
+    def predraft(self, ctx: DraftContext, state: _RequestState, block: list[int], picked: list[Outcome],
+                 states: torch.Tensor, max_drafts: int, plan: Plan, mode: str) -> Refiner:
+        """Steps 4-5 for the picked outcomes: J0 + (J - R) passes in one batch, then R refreshes, each
+        followed by a pass. states [gamma+1, n_src*H]: the predicted draft-model states of the block.
+        Returns the refiner holding the drafts [B, max_drafts] and what each row spent."""
+        n = len(ctx.tokens) - 1
         noise = torch.stack([draw_noise(ctx.tokens + block[:o.k] + [o.a], max_drafts - 1, state.generator)
                              for o in picked])  # [B, max_drafts-1]
-        t2 = time.perf_counter()
-        drafts = self.draft_outcomes(state, n, self.draft_states(pred, normed), [(o.k, o.a) for o in picked],
-                                     noise, self.foresight_passes).tolist()
-        t3 = time.perf_counter()
-        cost = (t3 - t2) / len(picked)
-        self.outcome_cost_s = cost if not self.outcome_cost_s else \
-            self.outcome_cost_s + COST_EMA * (cost - self.outcome_cost_s)
-        self.stats = ForesightStats(len(picked), t1 - t0, t3 - t2, t3 - t0)
-        return [CacheEntry(accepted=o.k, bonus=o.a, tokens=tuple(d), score=o.score, passes=self.foresight_passes)
-                for o, d in zip(picked, drafts)]
+        outcomes, plain = [(o.k, o.a) for o in picked], plan.passes - plan.refreshes
+        t0 = time.perf_counter()
+        drafts = self.draft_outcomes(state, n, states, outcomes, noise, plain)  # [B, max_drafts]
+        self.costs.update("pass_s", (time.perf_counter() - t0) / ((1 + plain) * len(picked)))
+        refiner = Refiner(self, state, n, ctx.tokens[-1], block, outcomes, drafts, mode, passes=plain)
+        refiner.run(plan.refreshes, self.costs)
+        return refiner
 
 
 def resolve_adapter_path(cfg: EngineConfig, drafter_path: Path) -> Path | None:
@@ -282,4 +299,5 @@ def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineCon
     model = DraftModel.load(drafter_path, SharedWeights.from_target(target), cfg.drafter_device, dtype)
     adapter = Adapter.load(adapter_path, target, cfg.drafter_device, dtype)
     decoder = ForesightDecoder(target, n_layers=target.config.num_hidden_layers - max(adapter.target_indices))
-    return ForesightDrafter(model, adapter, decoder, passes=cfg.draft_passes, cache_size=cfg.cache_size)
+    return ForesightDrafter(model, adapter, decoder, passes=cfg.draft_passes, cache_size=cfg.cache_size,
+                            refreshes=cfg.draft_refreshes, refinement=cfg.refinement)

@@ -56,7 +56,6 @@ def load_drafter_target(cfg: EngineConfig):
 class _RequestState:
     ctx: ContextKV | None = None
     positions: int = 0  # context positions absorbed so far
-    chunks: int = 0  # DraftContext.hidden chunks absorbed so far
     generator: torch.Generator = field(default_factory=torch.Generator)
 
 
@@ -87,18 +86,19 @@ class JetSpecProposer:
         if state.ctx is None:
             return []  # no target states (the target was started without our layers)
         noise = draw_noise(ctx.tokens, max_drafts - 1, state.generator)
-        passes = self.model.draft([state.ctx], torch.tensor([ctx.tokens[-1]]), noise[None], self.passes)
-        return passes[-1][0].tolist()
+        ids, probs = self.model.draft_with_confidence([state.ctx], torch.tensor([ctx.tokens[-1]]), noise[None],
+                                                      self.passes)
+        ctx.last_confidence = probs[-1][0].tolist()  # the verify-length controller's acceptance evidence
+        return ids[-1][0].tolist()
 
     def _absorb(self, ctx: DraftContext) -> _RequestState:
         state = ctx.drafter_state
         if state is None:
             state = ctx.drafter_state = _RequestState()
             state.generator.manual_seed(ctx.seed)  # independent of the target's draws
-        new = ctx.hidden[state.chunks:]
-        if new:
-            states = torch.cat(new) if len(new) > 1 else new[0]  # [n, n_src * H_t]
+        states = ctx.pending_hidden()  # [n, n_src * H_t]
+        if states is not None:
             state.ctx = self.model.extend_context(state.ctx, states, state.positions)
             state.positions += states.shape[0]
-            state.chunks = len(ctx.hidden)
+            ctx.hidden.clear()  # absorbed into the context K/V: the raw states are no longer needed
         return state

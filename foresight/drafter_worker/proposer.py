@@ -16,11 +16,18 @@ class DraftContext:
     req_id: str
     tokens: list[int]
     seed: int
-    hidden: list[torch.Tensor] = field(default_factory=list)  # chunks of [positions, n_layers * hidden]
+    # Target-state chunks [positions, n_layers * hidden] not yet absorbed by the proposer. A proposer
+    # that absorbs them into its own context clears the list (see `pending_hidden`), so a long request does
+    # not keep every state twice.
+    hidden: list[torch.Tensor] = field(default_factory=list)
     last_block: list[int] = field(default_factory=list)  # drafts sent for the round being verified
+    # The proposer's top-1 probability of each token of its last proposal (empty: none given); the worker
+    # keeps it aligned with `last_block` once the block is sent.
+    last_confidence: list[float] = field(default_factory=list)
     round: int = 0
     pipelined: bool = False  # pre-draft for expected outcomes while the target verifies
     temperature: float = 1.0  # the request's sampling temperature
+    refinement: str | None = None  # the request's self-refinement mode (StartDraft); None = the drafter's
     drafter_state: object = None  # the proposer's own per-request state (e.g. cached context K/V)
 
     def absorb(self, accepted: int, bonus: int, hidden: torch.Tensor | None) -> None:
@@ -30,6 +37,15 @@ class DraftContext:
         if hidden is not None:
             self.hidden.append(hidden)
         self.last_block = []
+        self.last_confidence = []
+
+    def pending_hidden(self) -> torch.Tensor | None:
+        """The target states not yet absorbed, as one tensor [n, n_layers * hidden] (None: none).
+        The proposer calls `hidden.clear()` once it has absorbed them (not before: a failed absorb
+        must leave them for the next try)."""
+        if not self.hidden:
+            return None
+        return torch.cat(self.hidden) if len(self.hidden) > 1 else self.hidden[0]
 
 
 class Proposer(Protocol):

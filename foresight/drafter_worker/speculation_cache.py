@@ -16,6 +16,7 @@ class CacheEntry:
     score: float = 0.0  # the proposer's estimate of the outcome's probability
     passes: int = 0  # refinement passes spent on it
     refreshes: int = 0  # context refreshes spent on it
+    confidence: tuple[float, ...] = ()  # the proposer's top-1 probability of each token (empty: none)
 
 
 class SpeculationCache:

@@ -5,6 +5,8 @@ Pipelined mode: right after sending a block the drafter queues foresight for it;
 is waiting it runs the oldest job, pre-drafting blocks for the outcomes it expects into the
 speculation cache. The next `Outcome` is answered from the cache on a hit, else by a fallback draft.
 Messages always go first: foresight never delays an answer the target is waiting for.
+Either way the block sent is the prefix the verify-length controller expects to commit the most tokens
+per second (`verify_length.py`; `--verify-length max` sends every draft).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from ..protocol.liveness import report_death
 from .ngram import NgramProposer
 from .proposer import DraftContext, Proposer
 from .speculation_cache import SpeculationCache
+from .verify_length import VerifyLengthController
 
 IDLE_POLL_MS = 100
 VERIFY_EMA = 0.2  # weight of the newest verify time in the foresight budget estimate
@@ -35,6 +38,20 @@ class ForesightJob:
     req_id: str
     round: int  # the round whose block the target is verifying now
     max_drafts: int
+
+
+def why_no_foresight(cfg: EngineConfig) -> str | None:
+    """Why `make_proposer(cfg)` would build no foresight drafter (None: it would), decided from the
+    checkpoint folders alone: no model is loaded."""
+    from .foresight import resolve_adapter_path
+    from .jetspec_proposer import resolve_drafter_path
+
+    path = resolve_drafter_path(cfg)
+    if path is None:
+        return f"--drafter {cfg.drafter} means prompt lookup here (no trained drafter found), which has no foresight"
+    if resolve_adapter_path(cfg, path) is None:
+        return f"the drafter {path} comes without an adapter (--adapter {cfg.adapter})"
+    return None
 
 
 def make_proposer(cfg: EngineConfig) -> Proposer:
@@ -63,6 +80,7 @@ class DrafterWorker:
         self.cache = SpeculationCache()
         self.jobs: deque[ForesightJob] = deque()
         self.verify_s = 0.0  # running estimate of the target's verify time: the foresight budget
+        self.lengths = VerifyLengthController() if cfg.verify_length == "auto" else None
         self.stopping = False
         self.handlers = {
             StartDraft: self.on_start,
@@ -86,7 +104,7 @@ class DrafterWorker:
         hidden = [msg.hidden] if msg.hidden is not None else []
         self.contexts[msg.req_id] = DraftContext(req_id=msg.req_id, tokens=list(msg.prompt_ids), seed=msg.seed,
                                                  hidden=hidden, pipelined=msg.mode == "pipelined",
-                                                 temperature=msg.temperature)
+                                                 temperature=msg.temperature, refinement=msg.refinement)
 
     def on_outcome(self, msg: Outcome) -> None:
         """Verification of the last block ended at (k, a): answer with the next block at once."""
@@ -95,15 +113,18 @@ class DrafterWorker:
             return  # released meanwhile
         if msg.verify_s > 0:
             self.verify_s += VERIFY_EMA * (msg.verify_s - self.verify_s) if self.verify_s else msg.verify_s
+        if self.lengths is not None:  # before absorb: last_block is the block that was verified
+            self.lengths.observe(len(ctx.last_block), msg.accepted, msg.verify_s, ctx.last_confidence)
         ctx.absorb(msg.accepted, msg.bonus, msg.hidden)
         ctx.round = msg.round
         t0 = time.perf_counter()
         entry = self.cache.lookup(msg.req_id, msg.round, msg.accepted, msg.bonus) if ctx.pipelined else None
         if entry is not None:
-            tokens = list(entry.tokens[: msg.max_drafts])
+            tokens, confidence = list(entry.tokens[: msg.max_drafts]), list(entry.confidence[: msg.max_drafts])
         else:
-            tokens = self.propose(ctx, msg.max_drafts)
-        ctx.last_block = tokens
+            tokens, confidence = self.propose(ctx, msg.max_drafts)
+        tokens, confidence = self.verify_prefix(ctx, tokens, confidence, time.perf_counter() - t0)
+        ctx.last_block, ctx.last_confidence = tokens, confidence
         self.send_to_target.send(DraftBlock(
             req_id=msg.req_id, round=msg.round, tokens=tokens,
             cache_hit=(entry is not None) if ctx.pipelined else None,
@@ -112,12 +133,26 @@ class DrafterWorker:
         if ctx.pipelined and tokens:
             self.jobs.append(ForesightJob(msg.req_id, msg.round, msg.max_drafts))
 
-    def propose(self, ctx: DraftContext, max_drafts: int) -> list[int]:
+    def propose(self, ctx: DraftContext, max_drafts: int) -> tuple[list[int], list[float]]:
+        """A fresh block and the proposer's confidence in each token (empty: it gives none)."""
+        ctx.last_confidence = []
         try:
-            return self.proposer.propose(ctx, max_drafts)[:max_drafts]
+            tokens = self.proposer.propose(ctx, max_drafts)[:max_drafts]
         except Exception:  # a failing proposal costs this round its drafts, never the request
             traceback.print_exc()
-            return []
+            return [], []
+        return tokens, ctx.last_confidence[: len(tokens)]
+
+    def verify_prefix(self, ctx: DraftContext, tokens: list[int], confidence: list[float],
+                      draft_s: float) -> tuple[list[int], list[float]]:
+        """The prefix of the block worth verifying. `draft_s`: drafting time the target waited for, paid
+        whatever the length."""
+        if len(confidence) != len(tokens):
+            confidence = []  # misaligned: treat as no confidence
+        if self.lengths is None or not tokens:
+            return tokens, confidence
+        n = self.lengths.choose(len(tokens), confidence, ctx.round, fixed_s=draft_s)
+        return tokens[:n], confidence[:n]
 
     def run_foresight(self, job: ForesightJob) -> None:
         """Pre-draft for the outcomes of `job.round`'s block, unless that outcome already arrived."""

@@ -55,6 +55,7 @@ class GenerateRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     mode: str | None = None  # "ar" | "sync" | "pipelined"; None = the server's mode (bench sets it)
+    refinement: str | None = None  # pipelined: "none" | "refresh" | "anchor"; None = the server's (bench sets it)
 
 
 @message
@@ -138,6 +139,7 @@ class StartDraft:
     seed: int  # for the drafter's own noise; derived so it never mirrors the target's draws
     mode: str = "sync"  # "sync" | "pipelined": pre-draft for expected outcomes while the target verifies
     temperature: float = 1.0  # the request's sampling temperature (foresight ranks outcomes for it)
+    refinement: str | None = None  # the request's self-refinement mode (GenerateRequest); None = the drafter's
     hidden: torch.Tensor | None = None  # [prompt_len, n_layers * hidden] or None
 
 

@@ -53,7 +53,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def check_pipelined(engine) -> None:
+    """`--mode pipelined` needs a foresight drafter: say so before any model is loaded (the workers would
+    only find out at start-up, inside the server's lifespan, as a traceback)."""
+    if engine.mode != "pipelined":
+        return
+    from ..drafter_worker.worker import why_no_foresight
+
+    why = why_no_foresight(engine)
+    if why is not None:
+        raise ConfigError(f"--mode pipelined needs a drafter with foresight (a trained drafter and its adapter): "
+                          f"{why}; use --mode sync or ar")
+
+
 def serve(args: argparse.Namespace, engine) -> int:
+    check_pipelined(engine)
     import uvicorn
 
     from .app import create_app

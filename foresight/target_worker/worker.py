@@ -15,7 +15,7 @@ from collections import OrderedDict
 import torch
 import zmq
 
-from ..config import EngineConfig
+from ..config import REFINEMENTS, EngineConfig
 from ..protocol.addresses import WorkerAddresses
 from ..protocol.messages import (
     AbortRequest,
@@ -110,6 +110,10 @@ class TargetWorker:
             self.send_to_api.send(RequestFailed(req_id=req.req_id, status=400,
                                                 error="mode 'pipelined' needs a drafter that supports foresight"))
             return
+        if req.refinement is not None and req.refinement not in REFINEMENTS:
+            self.send_to_api.send(RequestFailed(req_id=req.req_id, status=400,
+                                                error=f"refinement must be one of {', '.join(REFINEMENTS)}"))
+            return
         seed = req.sampling.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_rng))
@@ -144,7 +148,7 @@ class TargetWorker:
             self.send_to_drafter.send(StartDraft(req_id=req.req_id, prompt_ids=req.prompt_ids,
                                                  seed=drafter_seed(state.generator), mode=state.mode,
                                                  temperature=req.sampling.temperature,
-                                                 hidden=result.hidden))
+                                                 refinement=req.refinement, hidden=result.hidden))
         self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True)
 
     def verify_round(self, state: RequestState) -> None:

@@ -83,13 +83,16 @@ def test_construction_checks_and_hidden_layers(target, sequences):
         ForesightDrafter(model, None, ForesightDecoder(target, 1))
 
 
-def test_budget_scales_the_number_of_outcomes(target, sequences):
-    drafter = make_drafter(target, sequences, cache_size=6)
-    assert drafter.outcome_budget(0.0, 0.0) == 6  # no verify time known yet
-    drafter.outcome_cost_s = 0.002
-    assert drafter.outcome_budget(1.0, 0.001) == 6
-    assert drafter.outcome_budget(0.010, 0.003) == 3  # (10 - 3) / 2 ms
-    assert drafter.outcome_budget(0.001, 0.003) == 1  # never fewer than one
+def test_plan_uses_the_caps_and_the_measured_costs(target, sequences):
+    """The round's plan: caps without a budget or a measurement; else Eq. 3 (tested in test_refinement.py)."""
+    drafter = make_drafter(target, sequences, cache_size=6, foresight_passes=3, refreshes=2)
+    assert (drafter.plan(0.0, "anchor").outcomes, drafter.plan(0.0, "anchor").passes) == (6, 3)
+    assert drafter.plan(0.0, "anchor").refreshes == 2 and drafter.plan(0.0, "none").refreshes == 0
+    drafter.costs.predict_s, drafter.costs.pass_s = 0.003, 0.001
+    assert drafter.plan(0.010, "none").outcomes == 6 and drafter.plan(0.010, "none").passes == 0  # (10-3)/1 ms
+    assert drafter.plan(0.001, "anchor").outcomes == 1  # never fewer than one
+    drafter.use_budget = False
+    assert drafter.plan(0.001, "anchor").outcomes == 6
 
 
 def test_perfect_foresight_names_and_predrafts_the_realised_outcome(target, sequences):
@@ -97,7 +100,7 @@ def test_perfect_foresight_names_and_predrafts_the_realised_outcome(target, sequ
     greedy outcome in every round; its pre-drafted block (run to the Jacobi fixed point, which does not
     depend on the noise) equals the block drafted from the true verified context after that outcome."""
     drafter = make_drafter(target, sequences, passes=GAMMA, foresight_passes=GAMMA, cache_size=4,
-                           temperature=0.0)
+                           temperature=0.0, refinement="none")  # refinement would edit the blocks
     seq = sequences[0]
     p = len(PROMPTS[0])
     truth = true_states(target, seq, drafter.hidden_layers)

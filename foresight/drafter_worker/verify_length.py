@@ -1,0 +1,189 @@
+"""How many of the drafted tokens to send for verification (the verify length).
+
+The target's verify cost grows with the block length (on CPU a 16-token verify costs 1.4x a 1-token
+step in bf16 and 2.2x in fp32, a 4-token verify about one step) while deep drafts are rarely accepted.
+So each round the drafter sends the prefix of its block that maximises committed tokens per second:
+
+    L* = argmax_L (1 + E[accepted | L]) / (fixed_s + cost(L)),   E[accepted | L] = sum_{j<=L} prod_{i<=j} alpha_i
+
+    cost(L)   the target's verify seconds for a block of L drafts (Outcome.verify_s), an EMA per length;
+              unseen lengths from a least-squares line a + b*L over the measured ones
+    alpha_i   P(draft i accepted | drafts 1..i-1 accepted): the proposer's confidence in draft i through
+              an online calibration, or (no confidences, e.g. n-gram) a per-position rate learned online
+    fixed_s   the part of the round that does not depend on L: the exposed drafting time of this block
+
+Any prefix of a block is a valid block: verification stays lossless whatever L is chosen.
+
+L is at least 1 whenever there are drafts (`min_length`). L = 0 (a plain AR step) would save at most
+cost(1) - cost(0), which is small where a verify is overhead-bound (a 1-token verify costs about one
+step); the drafting is paid already; and a round without drafts tells the acceptance model nothing, so
+an estimate of alpha_1 that is too low could never correct itself.
+
+One controller per drafter worker: verify costs are the target's and acceptance statistics are pooled
+over requests (sampled and greedy requests alike).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+COST_EMA = 0.2  # weight of the newest verify time of a length
+ACCEPT_DECAY = 0.99  # per observed round: acceptance statistics forget over ~100 rounds
+PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior (acceptance rates and measured costs)
+CONF_BINS = 10  # calibration bins over the confidence range [0, 1]
+
+
+def expected_accepted(alphas: Sequence[float]) -> list[float]:
+    """E[accepted | L] for L = 0..len(alphas); alphas[i] = P(draft i+1 accepted | drafts 1..i accepted)."""
+    out, survive = [0.0], 1.0
+    for a in alphas:
+        survive *= a
+        out.append(out[-1] + survive)
+    return out
+
+
+def best_length(alphas: Sequence[float], costs: Sequence[float], fixed_s: float = 0.0, min_length: int = 1) -> int:
+    """argmax over L in min_length..len(alphas) of expected tokens per second; costs[L] for L = 0..len(alphas).
+    The longest L wins a tie (equal rate, more tokens)."""
+    expected = expected_accepted(alphas)
+    best, best_rate = len(alphas), float("-inf")
+    for length in range(len(alphas), min(min_length, len(alphas)) - 1, -1):
+        rate = (1.0 + expected[length]) / max(fixed_s + costs[length], 1e-9)
+        if rate > best_rate:
+            best, best_rate = length, rate
+    return best
+
+
+def fit_line(points: dict[int, float]) -> tuple[float, float]:
+    """Least-squares (a, b) of seconds = a + b * L over {L: seconds}; flat with one length, and flat when
+    the slope comes out negative (a longer verify is never cheaper: that is noise)."""
+    xs = list(points)
+    mean_x = sum(xs) / len(xs)
+    mean_y = sum(points.values()) / len(xs)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    if var == 0:
+        return mean_y, 0.0
+    slope = sum((x - mean_x) * (points[x] - mean_y) for x in xs) / var
+    if slope < 0:
+        return mean_y, 0.0
+    return mean_y - slope * mean_x, slope
+
+
+@dataclass(slots=True)
+class VerifyCost:
+    """The target's verify seconds per block length (number of drafts sent)."""
+
+    seconds: dict[int, float] = field(default_factory=dict)  # length -> EMA of verify seconds
+    counts: dict[int, int] = field(default_factory=dict)  # length -> measurements
+
+    def observe(self, length: int, seconds: float) -> None:
+        old = self.seconds.get(length)
+        self.seconds[length] = seconds if old is None else old + COST_EMA * (seconds - old)
+        self.counts[length] = self.counts.get(length, 0) + 1
+
+    def measured(self, min_length: int = 0) -> int:
+        """How many distinct lengths >= min_length have a measurement."""
+        return sum(1 for length in self.seconds if length >= min_length)
+
+    def costs(self, n: int) -> list[float]:
+        """Estimated seconds for L = 0..n. A measured length: its EMA, shrunk towards the line by its count
+        (one noisy measurement does not rule a length out for good). Unseen: the line, never below the
+        cheapest measurement (extrapolating a steep line down to short blocks could go to zero)."""
+        if not self.seconds:
+            return [1.0] * (n + 1)
+        a, b = fit_line(self.seconds)
+        floor = min(self.seconds.values())
+        out = []
+        for length in range(n + 1):
+            line = max(a + b * length, floor)
+            if length in self.seconds:
+                c = self.counts[length]
+                line = (c * self.seconds[length] + PRIOR_WEIGHT * line) / (c + PRIOR_WEIGHT)
+            out.append(line)
+        return out
+
+
+def _posterior(accepted: float, tried: float, prior: float) -> float:
+    return (accepted + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
+
+
+def _bin(confidence: float) -> int:
+    return min(CONF_BINS - 1, max(0, int(confidence * CONF_BINS)))
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """Per-draft acceptance probabilities: confidence -> probability (binned calibration), and per-position
+    conditional rates for proposers without confidences. Counts decay so the model tracks the workload."""
+
+    pos_accepted: list[float] = field(default_factory=list)  # [positions] position i: draft i+1
+    pos_tried: list[float] = field(default_factory=list)
+    bin_accepted: list[float] = field(default_factory=lambda: [0.0] * CONF_BINS)  # [CONF_BINS]
+    bin_tried: list[float] = field(default_factory=lambda: [0.0] * CONF_BINS)
+
+    def observe(self, sent: int, accepted: int, confidence: Sequence[float] = ()) -> None:
+        """Drafts 1..accepted were accepted, draft accepted+1 (if sent) rejected; later drafts were never
+        tried (their acceptance was conditional on one that failed), so they are not counted."""
+        for counts in (self.pos_accepted, self.pos_tried, self.bin_accepted, self.bin_tried):
+            counts[:] = [c * ACCEPT_DECAY for c in counts]
+        tried = min(sent, accepted + 1)
+        grow = tried - len(self.pos_tried)
+        if grow > 0:
+            self.pos_accepted += [0.0] * grow
+            self.pos_tried += [0.0] * grow
+        with_conf = len(confidence) == sent
+        for i in range(tried):
+            ok = float(i < accepted)
+            self.pos_accepted[i] += ok
+            self.pos_tried[i] += 1.0
+            if with_conf:
+                b = _bin(confidence[i])
+                self.bin_accepted[b] += ok
+                self.bin_tried[b] += 1.0
+
+    def alphas(self, n: int, confidence: Sequence[float] = ()) -> list[float]:
+        """alpha_i for drafts 1..n: calibrated confidences when given (len n), else per-position rates
+        shrunk towards the pooled rate (deep positions are rarely tried)."""
+        if len(confidence) == n:
+            return [_posterior(self.bin_accepted[_bin(c)], self.bin_tried[_bin(c)], (_bin(c) + 0.5) / CONF_BINS)
+                    for c in confidence]
+        pooled = _posterior(sum(self.pos_accepted), sum(self.pos_tried), 0.5)
+        out = []
+        for i in range(n):
+            seen = i < len(self.pos_tried)
+            out.append(_posterior(self.pos_accepted[i] if seen else 0.0, self.pos_tried[i] if seen else 0.0, pooled))
+        return out
+
+
+class VerifyLengthController:
+    """Observes each verified block, chooses the length of the next one (see the module docstring)."""
+
+    def __init__(self, min_rounds: int = 8, explore_every: int = 16, min_length: int = 1):
+        """`min_rounds`: verified blocks to see before truncating; `explore_every`: every such round (by the
+        request's round number) sends the full block, so long blocks keep being measured."""
+        self.cost = VerifyCost()
+        self.acceptance = Acceptance()
+        self.min_rounds = min_rounds
+        self.explore_every = explore_every
+        self.min_length = min_length
+        self.rounds = 0  # verified blocks observed
+
+    def observe(self, sent: int, accepted: int, verify_s: float, confidence: Sequence[float] = ()) -> None:
+        """The block of `sent` drafts (confidences `confidence`, or none) had `accepted` accepted and took
+        `verify_s` seconds to verify. verify_s <= 0: nothing was verified (the round after the prefill)."""
+        if verify_s <= 0:
+            return
+        self.cost.observe(sent, verify_s)
+        if sent > 0:
+            self.acceptance.observe(sent, accepted, confidence)
+            self.rounds += 1
+
+    def choose(self, n: int, confidence: Sequence[float], round_: int, fixed_s: float = 0.0) -> int:
+        """How many of `n` drafts to send in request round `round_`; `fixed_s`: exposed drafting time."""
+        if n <= self.min_length or self.rounds < self.min_rounds or round_ % self.explore_every == 0:
+            return n
+        if self.cost.measured(self.min_length) < 2:
+            # One block length measured: the cost line is flat and would always pick n. Probe the
+            # shortest length now and then so the slope becomes known.
+            return self.min_length if round_ % self.explore_every == self.explore_every // 2 else n
+        return best_length(self.acceptance.alphas(n, confidence), self.cost.costs(n), fixed_s, self.min_length)

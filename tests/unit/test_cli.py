@@ -1,0 +1,19 @@
+"""The `foresight` command's start-up checks."""
+from __future__ import annotations
+
+import pytest
+
+from foresight.server import cli
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "auto"])
+def test_pipelined_without_foresight_is_a_one_line_error(drafter, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("FORESIGHT_CHECKPOINTS", str(tmp_path))  # no shipped drafter: auto means ngram
+
+    def load(*args, **kwargs):
+        raise AssertionError("models were loaded before the configuration was checked")
+
+    monkeypatch.setattr("foresight.server.app.create_app", load)
+    assert cli.main(["serve", "--mode", "pipelined", "--drafter", drafter]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--mode pipelined" in err and "--mode sync" in err

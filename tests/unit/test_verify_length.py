@@ -1,0 +1,184 @@
+"""The verify-length controller: cost model, acceptance calibration, the choice, and losslessness
+through the round loop (n-gram and a tiny JetSpec drafter, sync mode)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from foresight.config import ConfigError, EngineConfig
+from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
+from foresight.drafter_worker.proposer import DraftContext
+from foresight.drafter_worker.verify_length import (
+    Acceptance,
+    VerifyCost,
+    VerifyLengthController,
+    best_length,
+    expected_accepted,
+    fit_line,
+)
+from support.inprocess import InProcessEngine
+from support.oracle_proposer import OracleForesight
+from support.tiny_models import plain_greedy, tiny_model
+
+torch.set_num_threads(1)
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [11, 12, 13, 11, 12, 13, 11, 12, 13, 40], [3, 17, 60, 61, 62]]
+
+
+def test_expected_accepted_and_line_fit():
+    assert expected_accepted([0.5, 0.5]) == [0.0, 0.5, 0.75]
+    assert fit_line({4: 2.0}) == (2.0, 0.0)  # one length: flat
+    a, b = fit_line({1: 1.0, 3: 2.0, 5: 3.0})
+    assert a == pytest.approx(0.5) and b == pytest.approx(0.5)
+    assert fit_line({1: 2.0, 5: 1.0}) == (1.5, 0.0)  # a falling cost is noise: flat
+
+
+def test_cost_model_interpolates_and_tracks():
+    cost = VerifyCost()
+    for _ in range(20):
+        cost.observe(1, 1.0)
+        cost.observe(7, 2.2)
+    est = cost.costs(7)
+    assert est[1] == pytest.approx(1.0) and est[7] == pytest.approx(2.2)
+    assert est[4] == pytest.approx(1.6)  # interpolated on the line
+    assert est[0] == pytest.approx(1.0)  # never extrapolated below the cheapest measurement
+    for _ in range(30):  # the context grows: long verifies get dearer
+        cost.observe(7, 3.0)
+    assert cost.costs(7)[7] == pytest.approx(3.0, rel=0.01)
+    assert VerifyCost(seconds={3: 2.0}, counts={3: 1}).costs(5) == pytest.approx([2.0] * 6)  # one length: flat
+
+
+def test_confidence_calibration_converges():
+    """The drafter is overconfident: a stated 0.9 is accepted 30% of the time, a stated 0.3 half the time."""
+    rng = random.Random(0)
+    truth = {0.9: 0.3, 0.3: 0.5}
+    model = Acceptance()
+    for _ in range(2000):
+        conf = [rng.choice(list(truth)) for _ in range(4)]
+        accepted = next((i for i, c in enumerate(conf) if rng.random() >= truth[c]), 4)
+        model.observe(4, accepted, conf)
+    got = model.alphas(2, [0.9, 0.3])
+    assert got[0] == pytest.approx(0.3, abs=0.1) and got[1] == pytest.approx(0.5, abs=0.1)
+
+
+def test_position_rates_without_confidence():
+    rng = random.Random(1)
+    rates = [0.8, 0.4, 0.4]
+    model = Acceptance()
+    for _ in range(2000):
+        accepted = next((i for i, r in enumerate(rates) if rng.random() >= r), 3)
+        model.observe(3, accepted)
+    got = model.alphas(5)
+    assert got[:3] == pytest.approx(rates, abs=0.1)
+    assert 0.3 < got[4] < 0.8  # never tried that deep: the pooled rate
+
+
+def test_choice_follows_acceptance_and_cost():
+    steep = [1.0 + 0.3 * length for length in range(8)]  # 7 drafts cost 3.1x a 0-draft step
+    flat = [1.0] * 8
+    assert best_length([0.1] * 7, steep) == 1  # low acceptance, steep cost: as short as allowed
+    assert best_length([0.1] * 7, steep, min_length=0) == 0
+    assert best_length([0.95] * 7, flat) == 7  # high acceptance, flat cost: everything
+    assert best_length([0.1] * 7, flat) == 7  # flat cost: more drafts never hurt
+    assert 1 < best_length([0.9, 0.9, 0.9, 0.1, 0.1, 0.1, 0.1], steep) < 7
+    # A large fixed (drafting) time makes the verify cost matter less: longer blocks.
+    assert best_length([0.6] * 7, steep, fixed_s=20.0) > best_length([0.6] * 7, steep)
+
+
+def test_controller_warms_up_explores_and_truncates():
+    ctl = VerifyLengthController(min_rounds=8, explore_every=16)
+    assert ctl.choose(7, [], round_=3) == 7  # no data yet: the full block
+    for _ in range(10):  # only full blocks verified, mostly rejected at once
+        ctl.observe(7, 0, 3.1)
+    assert ctl.choose(7, [], round_=3) == 7  # one length measured: the cost line is flat
+    assert ctl.choose(7, [], round_=8) == 1  # ... so the shortest length is probed now and then
+    for _ in range(10):
+        ctl.observe(1, 0, 1.3)
+    assert ctl.choose(7, [], round_=3) == 1
+    assert ctl.choose(7, [], round_=16) == 7  # exploration keeps long blocks measured
+    ctl.observe(0, 0, 0.0)  # the round after the prefill: nothing verified, nothing learnt
+    assert ctl.rounds == 20
+
+
+def test_config_and_cli_flag():
+    assert EngineConfig().verify_length == "auto"
+    with pytest.raises(ConfigError, match="verify_length"):
+        EngineConfig(verify_length="short")
+    from foresight.server.cli import build_parser
+    from foresight.config import engine_from_args
+
+    args = build_parser().parse_args(["serve", "--verify-length", "max"])
+    assert engine_from_args(args).verify_length == "max"
+
+
+def test_jetspec_proposer_reports_confidence_and_drops_absorbed_states():
+    target = tiny_model("llama")
+    proposer = JetSpecProposer(make_draft_model(target), passes=1)
+    states = torch.randn(12, len(proposer.hidden_layers) * target.config.hidden_size)
+    ctx = DraftContext(req_id="r", tokens=list(range(1, 9)), seed=7, hidden=[states[:7]])
+    block = proposer.propose(ctx, 5)
+    assert len(ctx.last_confidence) == len(block) == 5 and all(0 < c <= 1 for c in ctx.last_confidence)
+    assert ctx.hidden == []  # absorbed into the context K/V: not kept twice
+    ctx.last_block = block
+    ctx.absorb(2, 40, states[7:10])
+    assert ctx.last_confidence == [] and len(ctx.hidden) == 1
+    proposer.propose(ctx, 4)
+    assert ctx.drafter_state.positions == 10 == len(ctx.tokens) - 1 and ctx.hidden == []
+
+
+def make_draft_model(target):
+    from foresight.drafter_worker.draft_model import DraftConfig, DraftModel, SharedWeights
+
+    torch.manual_seed(0)
+    cfg = DraftConfig.for_target(target.config, num_layers=2, block_size=8, context_window=24)
+    model = DraftModel(cfg, SharedWeights.from_target(target)).eval()
+    with torch.no_grad():  # random init is near-uniform; make outputs depend visibly on the inputs
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(20.0)
+    return model
+
+
+class SteepCost(VerifyCost):
+    """Verify cost as on CPU in fp32, whatever the tiny model measures: truncation pays off."""
+
+    def costs(self, n: int) -> list[float]:
+        return [1.0 + 0.2 * length for length in range(n + 1)]
+
+
+def make_proposer(drafter: str, model):
+    if drafter == "jetspec":  # gives confidences
+        return JetSpecProposer(make_draft_model(model), passes=1)
+    if drafter == "oracle":  # no confidences, long blocks whose third draft is always wrong
+        return OracleForesight(model)
+    return None  # n-gram: the tiny models loop on one token, so its blocks are one draft long
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "oracle", "jetspec"])
+def test_auto_verify_length_is_lossless(drafter):
+    model = tiny_model("llama")
+    proposer = make_proposer(drafter, model)
+    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6), proposer=proposer)
+    worker = engine.drafter
+    worker.lengths.min_rounds, worker.lengths.explore_every = 2, 5  # truncate early: the requests are short
+    worker.lengths.cost = SteepCost()
+    choices = []  # (drafts proposed, drafts sent)
+    prefix = worker.verify_prefix
+
+    def recording(ctx, tokens, confidence, draft_s):
+        out = prefix(ctx, tokens, confidence, draft_s)
+        choices.append((len(tokens), len(out[0])))
+        return out
+
+    worker.verify_prefix = recording
+    try:
+        for prompt in PROMPTS:
+            got = engine.generate(prompt, 40, mode="sync", temperature=0.0)
+            assert got["error"] is None
+            assert got["tokens"] == plain_greedy(model, prompt, 40, eos=model.config.eos_token_id)
+    finally:
+        engine.close()
+    assert worker.lengths.rounds > 2
+    if drafter != "ngram":
+        assert any(0 < sent < n for n, sent in choices), "no block was truncated: the test exercised nothing"
