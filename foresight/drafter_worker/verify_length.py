@@ -24,6 +24,7 @@ over requests (sampled and greedy requests alike).
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -31,6 +32,7 @@ COST_EMA = 0.2  # weight of the newest verify time of a length
 ACCEPT_DECAY = 0.99  # per observed round: acceptance statistics forget over ~100 rounds
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior (acceptance rates and measured costs)
 CONF_BINS = 10  # calibration bins over the confidence range [0, 1]
+DRAFT_MARGIN = 2  # drafts drafted beyond the longest recently chosen length (room for confident blocks)
 
 
 def expected_accepted(alphas: Sequence[float]) -> list[float]:
@@ -167,6 +169,7 @@ class VerifyLengthController:
         self.explore_every = explore_every
         self.min_length = min_length
         self.rounds = 0  # verified blocks observed
+        self.recent: deque[int] = deque(maxlen=explore_every)  # lengths chosen lately (non-exploring rounds)
 
     def observe(self, sent: int, accepted: int, verify_s: float, confidence: Sequence[float] = ()) -> None:
         """The block of `sent` drafts (confidences `confidence`, or none) had `accepted` accepted and took
@@ -186,4 +189,14 @@ class VerifyLengthController:
             # One block length measured: the cost line is flat and would always pick n. Probe the
             # shortest length now and then so the slope becomes known.
             return self.min_length if round_ % self.explore_every == self.explore_every // 2 else n
-        return best_length(self.acceptance.alphas(n, confidence), self.cost.costs(n), fixed_s, self.min_length)
+        length = best_length(self.acceptance.alphas(n, confidence), self.cost.costs(n), fixed_s, self.min_length)
+        self.recent.append(length)
+        return length
+
+    def draft_length(self, max_drafts: int, round_: int) -> int:
+        """How many drafts to draft for request round `round_`: drafting costs time in proportion to the
+        block length, so once the chosen lengths are known, draft DRAFT_MARGIN more than the longest of
+        them; all of `max_drafts` while warming up, on exploring rounds and before any choice was made."""
+        if self.rounds < self.min_rounds or round_ % self.explore_every == 0 or not self.recent:
+            return max_drafts
+        return min(max_drafts, max(self.recent) + DRAFT_MARGIN)

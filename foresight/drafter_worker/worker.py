@@ -122,7 +122,7 @@ class DrafterWorker:
         if entry is not None:
             tokens, confidence = list(entry.tokens[: msg.max_drafts]), list(entry.confidence[: msg.max_drafts])
         else:
-            tokens, confidence = self.propose(ctx, msg.max_drafts)
+            tokens, confidence = self.propose(ctx, self.draft_length(msg.max_drafts, msg.round))
         tokens, confidence = self.verify_prefix(ctx, tokens, confidence, time.perf_counter() - t0)
         ctx.last_block, ctx.last_confidence = tokens, confidence
         self.send_to_target.send(DraftBlock(
@@ -143,6 +143,10 @@ class DrafterWorker:
             return [], []
         return tokens, ctx.last_confidence[: len(tokens)]
 
+    def draft_length(self, max_drafts: int, round_: int) -> int:
+        """Drafts worth drafting for request round `round_` (all without the verify-length controller)."""
+        return max_drafts if self.lengths is None else self.lengths.draft_length(max_drafts, round_)
+
     def verify_prefix(self, ctx: DraftContext, tokens: list[int], confidence: list[float],
                       draft_s: float) -> tuple[list[int], list[float]]:
         """The prefix of the block worth verifying. `draft_s`: drafting time the target waited for, paid
@@ -160,7 +164,8 @@ class DrafterWorker:
         if ctx is None or ctx.round != job.round:
             return  # released, or the target was faster than us: the job is stale
         try:
-            entries = self.proposer.foresee(ctx, ctx.last_block, job.max_drafts, self.verify_s)
+            max_drafts = self.draft_length(job.max_drafts, job.round + 1)  # the entries answer round+1
+            entries = self.proposer.foresee(ctx, ctx.last_block, max_drafts, self.verify_s)
         except Exception:
             traceback.print_exc()
             return

@@ -11,6 +11,7 @@ from foresight.config import ConfigError, EngineConfig
 from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
 from foresight.drafter_worker.proposer import DraftContext
 from foresight.drafter_worker.verify_length import (
+    DRAFT_MARGIN,
     Acceptance,
     VerifyCost,
     VerifyLengthController,
@@ -99,6 +100,19 @@ def test_controller_warms_up_explores_and_truncates():
     assert ctl.choose(7, [], round_=16) == 7  # exploration keeps long blocks measured
     ctl.observe(0, 0, 0.0)  # the round after the prefill: nothing verified, nothing learnt
     assert ctl.rounds == 20
+
+
+def test_draft_length_follows_the_chosen_lengths():
+    ctl = VerifyLengthController(min_rounds=8, explore_every=16)
+    assert ctl.draft_length(15, round_=3) == 15  # warming up: draft everything
+    for _ in range(10):
+        ctl.observe(15, 0, 3.1)
+        ctl.observe(1, 0, 1.3)
+    assert ctl.draft_length(15, round_=3) == 15  # no length chosen yet
+    assert ctl.choose(15, [], round_=3) == 1
+    assert ctl.draft_length(15, round_=4) == 1 + DRAFT_MARGIN
+    assert ctl.draft_length(2, round_=4) == 2  # never more than allowed
+    assert ctl.draft_length(15, round_=16) == 15  # an exploring round drafts the full block
 
 
 def test_config_and_cli_flag():
