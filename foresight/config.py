@@ -44,6 +44,7 @@ class EngineConfig:
     draft_passes: int | None = None  # Jacobi passes after J0 (trained drafters); None = the checkpoint's default
     draft_refreshes: int | None = None  # pipelined: context refreshes per pre-drafted block at most; None = up to J
     refinement: str = "anchor"  # pipelined: "none" (passes only) | "refresh" | "anchor" (refresh + anchor replacement)
+    foresight_budget: bool = True  # pipelined: fit B, J, R into the verify time; False: always the caps (ablations)
     max_model_len: int | None = None  # None = the target's own context length
     model_name: str | None = None  # served name; None = folder name of the target
     seed: int = 0
@@ -139,6 +140,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--refinement", default=d.refinement, choices=REFINEMENTS,
                    help="pipelined: self-refinement of pre-drafted blocks (none: Jacobi passes only; "
                         "refresh: + context refresh; anchor: + anchor replacement)")
+    g.add_argument("--foresight-budget", default=d.foresight_budget, action=argparse.BooleanOptionalAction,
+                   help="pipelined: fit outcomes, passes and refreshes into the measured verify time "
+                        "(--no-foresight-budget: always --cache-size, --draft-passes, --draft-refreshes)")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len)
     g.add_argument("--served-model-name", dest="model_name", default=d.model_name)
     g.add_argument("--seed", type=int, default=d.seed)

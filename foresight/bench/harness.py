@@ -196,7 +196,8 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
                      "nucleus_threshold": cfg.nucleus_threshold, "modes": [r.mode for r in mode_runs],
                      "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max, "refinement": cfg.refinement,
                      "draft_passes": cfg.draft_passes, "draft_refreshes": cfg.draft_refreshes,
-                     "seed": args.seed},
+                     "foresight_budget": cfg.foresight_budget, "verify_length": cfg.verify_length,
+                     "cache_size": cfg.cache_size, "seed": args.seed},
         "modes": summary,
         "ratios": ratios(summary),
     }

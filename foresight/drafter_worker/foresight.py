@@ -300,4 +300,5 @@ def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineCon
     adapter = Adapter.load(adapter_path, target, cfg.drafter_device, dtype)
     decoder = ForesightDecoder(target, n_layers=target.config.num_hidden_layers - max(adapter.target_indices))
     return ForesightDrafter(model, adapter, decoder, passes=cfg.draft_passes, cache_size=cfg.cache_size,
-                            refreshes=cfg.draft_refreshes, refinement=cfg.refinement)
+                            refreshes=cfg.draft_refreshes, refinement=cfg.refinement,
+                            use_budget=cfg.foresight_budget)

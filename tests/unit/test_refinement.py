@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from foresight.bench.harness import Run, _for_run, refinement_runs, refinement_section, ModeTally
-from foresight.config import ConfigError, EngineConfig
+from foresight.config import ConfigError, EngineConfig, add_engine_args, engine_from_args
 from foresight.drafter_worker.budget import Plan, StepCosts, plan_round
 from foresight.drafter_worker.draft_model import ContextKV, draw_noise
 from foresight.drafter_worker.proposer import DraftContext
@@ -349,3 +349,10 @@ def test_bench_plans_one_pipelined_run_per_refinement_mode():
     section = refinement_section([Run("p", "pipelined", "exact", 0.95, "anchor")], {"p": tally}, [[1, 2]])
     assert section["anchor"] == {"tau": 2.5, "hit_rate": 0.5, "tokens_per_s": 10.0, "exposed_draft_ms_mean": None,
                                  "outputs_match_ar": 1.0, "passes_mean": 1.5, "refreshes_mean": 1.0}
+
+
+def test_foresight_budget_flag():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_from_args(parser.parse_args([])).foresight_budget is True
+    assert engine_from_args(parser.parse_args(["--no-foresight-budget"])).foresight_budget is False
