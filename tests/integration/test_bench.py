@@ -20,22 +20,25 @@ def test_bench_report(tmp_path):
         {"messages": [{"role": "user", "content": "Repeat after me: one two three one two three"}]},
     ]))
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "foresight.server.cli", "bench", "--prompts", str(prompts), "--modes", "ar,sync",
-           "--max-tokens", "24", "--temperature", "0", "--nucleus-thresholds", "0.9", "--out", str(out)]
+    cmd = [sys.executable, "-m", "foresight.server.cli", "bench", "--prompts", str(prompts), "--modes", "ar,sync,pipelined",
+           "--max-tokens", "24", "--temperature", "0", "--nucleus-thresholds", "0.9", "--refinement-ablation", "none",
+           "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 1000
-    assert set(report) >= {"model", "drafter", "machine", "settings", "modes", "ratios", "nucleus"}
-    assert set(report["modes"]) == {"ar", "sync"}
-    assert report["drafter"] == "ngram"
-    for mode in ("ar", "sync"):
+    assert set(report) >= {"model", "drafter", "machine", "settings", "modes", "ratios", "nucleus", "refinement"}
+    assert set(report["modes"]) == {"ar", "sync", "pipelined"}
+    assert report["drafter"] == "jetspec++"  # the shipped checkpoint, with its adapter
+    for mode in ("ar", "sync", "pipelined"):
         assert set(report["modes"][mode]) == MODE_FIELDS
         assert report["modes"][mode]["outputs_match_ar"] == 1.0  # greedy + exact verification is lossless
         assert report["modes"][mode]["output_tokens"] > 0
     assert report["modes"]["ar"]["tau"] == 1.0 and report["modes"]["ar"]["exposed_draft_ms_mean"] is None
     assert report["modes"]["sync"]["exposed_draft_ms_mean"] is not None
-    assert report["ratios"]["sync_vs_ar"] > 0 and report["ratios"]["pipelined_vs_ar"] is None
+    assert 0.0 <= report["modes"]["pipelined"]["hit_rate"] <= 1.0 and report["modes"]["sync"]["hit_rate"] is None
+    assert all(report["ratios"][r] > 0 for r in ("sync_vs_ar", "pipelined_vs_sync", "pipelined_vs_ar"))
+    assert report["refinement"]["none"]["outputs_match_ar"] == 1.0
     nucleus = report["nucleus"]
     assert set(nucleus) == {"exact", "nucleus@0.9"}
     assert nucleus["exact"]["outputs_differ_from_exact"] == 0.0
