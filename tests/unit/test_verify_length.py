@@ -20,6 +20,7 @@ from foresight.drafter_worker.verify_length import (
     fit_line,
 )
 from support.inprocess import InProcessEngine
+from test_foresight import make_draft_model
 from support.oracle_proposer import OracleForesight
 from support.tiny_models import plain_greedy, tiny_model
 
@@ -139,19 +140,6 @@ def test_jetspec_proposer_reports_confidence_and_drops_absorbed_states():
     assert ctx.last_confidence == [] and len(ctx.hidden) == 1
     proposer.propose(ctx, 4)
     assert ctx.drafter_state.positions == 10 == len(ctx.tokens) - 1 and ctx.hidden == []
-
-
-def make_draft_model(target):
-    from foresight.drafter_worker.draft_model import DraftConfig, DraftModel, SharedWeights
-
-    torch.manual_seed(0)
-    cfg = DraftConfig.for_target(target.config, num_layers=2, block_size=8, context_window=24)
-    model = DraftModel(cfg, SharedWeights.from_target(target)).eval()
-    with torch.no_grad():  # random init is near-uniform; make outputs depend visibly on the inputs
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(20.0)
-    return model
 
 
 class SteepCost(VerifyCost):
