@@ -61,7 +61,7 @@ class _RequestState:
 
 class JetSpecProposer:
     name = "jetspec"
-    supports_foresight = False  # foresight needs the adapter and decoder (not built yet)
+    supports_foresight = False  # foresight needs an adapter and decoder: ForesightDrafter
 
     def __init__(self, model: DraftModel, passes: int | None = None):
         self.model = model
