@@ -13,7 +13,7 @@ MODES = ("ar", "sync", "pipelined")
 VERIFICATIONS = ("exact", "nucleus")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 REFINEMENTS = ("none", "refresh", "anchor")  # self-refinement of pre-drafted blocks (pipelined)
-VERIFY_LENGTHS = ("auto", "max")
+VERIFY_LENGTHS = ("auto", "prefix", "max")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -33,7 +33,9 @@ class EngineConfig:
     nucleus_threshold: float = 0.95
     block_size: int = 8  # anchor + gamma draft tokens verified per round
     cache_size: int = 4  # speculation cache entries (B) in pipelined mode
-    verify_length: str = "auto"  # "auto": send the prefix with the most expected tokens/s | "max": every draft
+    # "auto": the prefix with the most expected tokens/s, or no drafts at all when that pays best;
+    # "prefix": the same but at least one draft; "max": every draft
+    verify_length: str = "auto"
     dtype: str = "auto"
     target_device: str = "cpu"
     drafter_device: str = "cpu"
@@ -126,7 +128,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=d.block_size, help="anchor + draft tokens per verification")
     g.add_argument("--cache-size", type=int, default=d.cache_size, help="speculation cache entries (pipelined)")
     g.add_argument("--verify-length", default=d.verify_length, choices=VERIFY_LENGTHS,
-                   help="auto: verify the prefix of each block with the most expected tokens per second; max: all drafts")
+                   help="auto: verify the prefix of each block with the most expected tokens per second, "
+                        "or skip drafting while plain steps pay best; prefix: the same, at least one draft; "
+                        "max: all drafts")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
     g.add_argument("--target-device", default=d.target_device)
     g.add_argument("--drafter-device", default=d.drafter_device)

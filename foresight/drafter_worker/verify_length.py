@@ -14,10 +14,11 @@ So each round the drafter sends the prefix of its block that maximises committed
 
 Any prefix of a block is a valid block: verification stays lossless whatever L is chosen.
 
-L is at least 1 whenever there are drafts (`min_length`). L = 0 (a plain AR step) would save at most
-cost(1) - cost(0), which is small where a verify is overhead-bound (a 1-token verify costs about one
-step); the drafting is paid already; and a round without drafts tells the acceptance model nothing, so
-an estimate of alpha_1 that is too low could never correct itself.
+L = 0 (no drafts: a plain decoding step) competes too once its cost has been measured (one probe round):
+on this CPU a 2-position forward costs ~1.5x a 1-position one, so a weak drafter does not pay even for a
+single draft. When the last SKIP_AFTER choices are 0 the drafter stops drafting (`draft_length` = 0) until an
+exploring round, which drafts and verifies a full block and records the length it would choose now,
+says speculation pays again; so the acceptance model keeps learning (`allow_skip=False`: L >= 1).
 
 One controller per drafter worker: verify costs are the target's and acceptance statistics are pooled
 over requests (sampled and greedy requests alike).
@@ -32,6 +33,7 @@ COST_EMA = 0.2  # weight of the newest verify time of a length
 ACCEPT_DECAY = 0.99  # per observed round: acceptance statistics forget over ~100 rounds
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior (acceptance rates and measured costs)
 CONF_BINS = 10  # calibration bins over the confidence range [0, 1]
+SKIP_AFTER = 3  # consecutive choices of L = 0 after which the drafter stops drafting
 DRAFT_MARGIN = 2  # drafts drafted beyond the longest recently chosen length (room for confident blocks)
 
 
@@ -93,8 +95,11 @@ class VerifyCost:
         cheapest measurement (extrapolating a steep line down to short blocks could go to zero)."""
         if not self.seconds:
             return [1.0] * (n + 1)
-        a, b = fit_line(self.seconds)
-        floor = min(self.seconds.values())
+        # The line is fitted over L >= 1 only: L = 0 is a one-position forward, which on CPU runs another
+        # kernel regime (GEMV, not GEMM) and would bend the line; it keeps its own measurement.
+        blocks = {length: s for length, s in self.seconds.items() if length > 0} or self.seconds
+        a, b = fit_line(blocks)
+        floor = min(blocks.values())
         out = []
         for length in range(n + 1):
             line = max(a + b * length, floor)
@@ -160,14 +165,16 @@ class Acceptance:
 class VerifyLengthController:
     """Observes each verified block, chooses the length of the next one (see the module docstring)."""
 
-    def __init__(self, min_rounds: int = 8, explore_every: int = 16, min_length: int = 1):
+    def __init__(self, min_rounds: int = 8, explore_every: int = 16, min_length: int = 1, allow_skip: bool = True):
         """`min_rounds`: verified blocks to see before truncating; `explore_every`: every such round (by the
-        request's round number) sends the full block, so long blocks keep being measured."""
+        request's round number) sends the full block, so long blocks keep being measured; `allow_skip`: L = 0
+        (no drafts: a plain decoding step) may win once its cost is measured (see `choose`)."""
         self.cost = VerifyCost()
         self.acceptance = Acceptance()
         self.min_rounds = min_rounds
         self.explore_every = explore_every
         self.min_length = min_length
+        self.allow_skip = allow_skip
         self.rounds = 0  # verified blocks observed
         self.recent: deque[int] = deque(maxlen=explore_every)  # lengths chosen lately (non-exploring rounds)
 
@@ -183,15 +190,25 @@ class VerifyLengthController:
 
     def choose(self, n: int, confidence: Sequence[float], round_: int, fixed_s: float = 0.0) -> int:
         """How many of `n` drafts to send in request round `round_`; `fixed_s`: exposed drafting time."""
-        if n <= self.min_length or self.rounds < self.min_rounds or round_ % self.explore_every == 0:
+        if n <= self.min_length or self.rounds < self.min_rounds:
             return n
+        if round_ % self.explore_every == 0:
+            self.recent.append(self.best(n, confidence, fixed_s))  # what this round would choose: lets a
+            return n                                               # skipped speculation come back
+        if self.allow_skip and 0 not in self.cost.seconds and round_ % self.explore_every == self.explore_every // 4:
+            return 0  # probe a plain step once, so that skipping speculation can be weighed
         if self.cost.measured(self.min_length) < 2:
             # One block length measured: the cost line is flat and would always pick n. Probe the
             # shortest length now and then so the slope becomes known.
             return self.min_length if round_ % self.explore_every == self.explore_every // 2 else n
-        length = best_length(self.acceptance.alphas(n, confidence), self.cost.costs(n), fixed_s, self.min_length)
+        length = self.best(n, confidence, fixed_s)
         self.recent.append(length)
         return length
+
+    def best(self, n: int, confidence: Sequence[float], fixed_s: float) -> int:
+        """The length with the most expected tokens per second; 0 (skip) only once a plain step was measured."""
+        floor = 0 if self.allow_skip and 0 in self.cost.seconds else self.min_length
+        return best_length(self.acceptance.alphas(n, confidence), self.cost.costs(n), fixed_s, floor)
 
     def draft_length(self, max_drafts: int, round_: int) -> int:
         """How many drafts to draft for request round `round_`: drafting costs time in proportion to the
@@ -199,4 +216,6 @@ class VerifyLengthController:
         them; all of `max_drafts` while warming up, on exploring rounds and before any choice was made."""
         if self.rounds < self.min_rounds or round_ % self.explore_every == 0 or not self.recent:
             return max_drafts
+        if len(self.recent) >= SKIP_AFTER and not any(list(self.recent)[-SKIP_AFTER:]):
+            return 0  # speculation has not paid lately: plain steps until an exploring round says otherwise
         return min(max_drafts, max(self.recent) + DRAFT_MARGIN)

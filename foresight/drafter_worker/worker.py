@@ -80,7 +80,8 @@ class DrafterWorker:
         self.cache = SpeculationCache()
         self.jobs: deque[ForesightJob] = deque()
         self.verify_s = 0.0  # running estimate of the target's verify time: the foresight budget
-        self.lengths = VerifyLengthController() if cfg.verify_length == "auto" else None
+        self.lengths = None if cfg.verify_length == "max" else \
+            VerifyLengthController(allow_skip=cfg.verify_length == "auto")
         self.stopping = False
         self.handlers = {
             StartDraft: self.on_start,

@@ -125,6 +125,8 @@ def test_config_and_cli_flag():
 
     args = build_parser().parse_args(["serve", "--verify-length", "max"])
     assert engine_from_args(args).verify_length == "max"
+    args = build_parser().parse_args(["serve", "--verify-length", "prefix"])
+    assert engine_from_args(args).verify_length == "prefix"
 
 
 def test_jetspec_proposer_reports_confidence_and_drops_absorbed_states():
@@ -184,3 +186,21 @@ def test_auto_verify_length_is_lossless(drafter):
     assert worker.lengths.rounds > 2
     if drafter != "ngram":
         assert any(0 < sent < n for n, sent in choices), "no block was truncated: the test exercised nothing"
+
+
+def test_skipping_speculation_and_coming_back():
+    ctl = VerifyLengthController(min_rounds=8, explore_every=16)
+    for _ in range(10):  # drafts almost never accepted; a 2-position verify costs 1.5x a plain step
+        ctl.observe(15, 0, 2.0)
+        ctl.observe(1, 0, 1.5)
+    assert ctl.choose(15, [], round_=3) == 1  # a plain step is not measured yet
+    assert ctl.choose(15, [], round_=4) == 0  # ... so it is probed once
+    ctl.observe(0, 0, 1.0)
+    assert [ctl.choose(15, [], round_=r) for r in (5, 6, 7)] == [0, 0, 0]
+    assert ctl.draft_length(15, round_=9) == 0  # no drafting while speculation does not pay
+    for _ in range(60):  # the workload changes: drafts are now accepted
+        ctl.observe(15, 15, 2.0)
+    assert ctl.draft_length(15, round_=16) == 15  # an exploring round drafts the full block ...
+    assert ctl.choose(15, [], round_=16) == 15  # ... sends it, and records what it would choose now
+    assert ctl.draft_length(15, round_=17) == 15
+    assert VerifyLengthController(allow_skip=False).best(3, [], 0.0) >= 1
