@@ -15,6 +15,21 @@ PLOT_FILE = "loss.png"
 MAX_HISTORY = 500  # history rows kept in the report (evenly thinned)
 
 
+def open_run(out: Path, resume: bool, settings):
+    """Create the run folder and, with `resume`, load its state: (state or None, settings). A resumed run
+    keeps its own settings except the length, device and checkpoint interval given now (a resumed run
+    may be lengthened or moved); an existing state without `resume` is an error, never overwritten."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / STATE_FILE
+    if path.exists() and not resume:
+        raise FileExistsError(f"{path} exists: pass --resume to continue it, or use another --out")
+    if not (resume and path.exists()):
+        return None, settings
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    kept = {"steps": settings.steps, "device": settings.device, "ckpt_every": settings.ckpt_every}
+    return state, type(settings)(**{**state["settings"], **kept})
+
+
 def save_state(out: Path, state: dict) -> None:
     """Write the resumable state atomically (a crash mid-write leaves the previous state intact)."""
     tmp = out / (STATE_FILE + ".tmp")

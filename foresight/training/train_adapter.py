@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from ..drafter_worker.adapter import Adapter, AdapterConfig, default_adapter_indices
 from .dataset import LabelledData, pick_anchors
-from .run_files import STATE_FILE, save_state, tail_mean, write_report
+from .run_files import STATE_FILE, open_run, save_state, tail_mean, write_report
 from .train_drafter import lr_at
 
 
@@ -161,13 +161,7 @@ def build_adapter(target, data: LabelledData, s: AdapterTrainSettings) -> Adapte
 def train_adapter(target, data: LabelledData, out: Path, s: AdapterTrainSettings, resume: bool = False,
                   log=print) -> dict:
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state_path = out / STATE_FILE
-    if state_path.exists() and not resume:
-        raise FileExistsError(f"{state_path} exists: pass --resume to continue it, or use another --out")
-    state = torch.load(state_path, map_location="cpu", weights_only=False) if resume and state_path.exists() else None
-    if state is not None:
-        s = AdapterTrainSettings(**{**state["settings"], "steps": s.steps, "device": s.device, "ckpt_every": s.ckpt_every})
+    state, s = open_run(out, resume, s)
     device = torch.device(s.device)
     torch.manual_seed(s.seed)
     if state is None:
@@ -186,7 +180,7 @@ def train_adapter(target, data: LabelledData, out: Path, s: AdapterTrainSettings
     if state is not None:
         opt.load_state_dict(state["optimizer"])
         history, step = state["history"], state["step"]
-        log(f"[train] resumed at step {step} from {state_path}")
+        log(f"[train] resumed at step {step} from {out / STATE_FILE}")
     model.config.extra = {"train": asdict(s), "loss_scales": scales,
                           "data": {"tokens": data.num_tokens, "sequences": len(data), "path": str(data.path)}}
     bar = tqdm(total=s.steps, initial=step, unit="step", desc="train adapter", dynamic_ncols=True)

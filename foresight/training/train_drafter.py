@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from ..drafter_worker.draft_model import DraftConfig, DraftModel, SharedWeights
 from .dataset import BlockBatch, LabelledData, choose_vocab_subset, sample_blocks
-from .run_files import STATE_FILE, save_state, tail_mean, write_report
+from .run_files import STATE_FILE, open_run, save_state, tail_mean, write_report
 
 
 
@@ -94,13 +94,7 @@ def build_model(target, data: LabelledData, s: TrainSettings) -> DraftModel:
 
 def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool = False, log=print) -> dict:
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state_path = out / STATE_FILE
-    if state_path.exists() and not resume:
-        raise FileExistsError(f"{state_path} exists: pass --resume to continue it, or use another --out")
-    state = torch.load(state_path, map_location="cpu", weights_only=False) if resume and state_path.exists() else None
-    if state is not None:
-        s = TrainSettings(**{**state["settings"], "steps": s.steps, "device": s.device, "ckpt_every": s.ckpt_every})
+    state, s = open_run(out, resume, s)
     device = torch.device(s.device)
     bf16 = s.bf16 and device.type == "cuda"
     model = build_model(target, data, s) if state is None else _model_from_state(target, data, state, s)
@@ -111,7 +105,7 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
     if state is not None:
         opt.load_state_dict(state["optimizer"])
         history, step = state["history"], state["step"]
-        log(f"[train] resumed at step {step} from {state_path}")
+        log(f"[train] resumed at step {step} from {out / STATE_FILE}")
     subset_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
     subset_index[model.vocab_subset.cpu()] = torch.arange(len(model.vocab_subset))
     model.config.extra = {"train": asdict(s), "data": {"tokens": data.num_tokens, "sequences": len(data),
