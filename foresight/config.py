@@ -33,6 +33,9 @@ class EngineConfig:
     nucleus_threshold: float = 0.95
     block_size: int = 8  # anchor + gamma draft tokens verified per round
     cache_size: int = 4  # speculation cache entries (B) in pipelined mode
+    # pipelined: target layers the foresight decoder reuses; None = the adapter's recommendation, else
+    # all layers above the deepest index the adapter predicts
+    decoder_layers: int | None = None
     # "auto": the prefix with the most expected tokens/s, or no drafts at all when that pays best;
     # "prefix": the same but at least one draft; "max": every draft
     verify_length: str = "auto"
@@ -66,6 +69,8 @@ class EngineConfig:
             raise ConfigError("thread counts must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")
+        if self.decoder_layers is not None and self.decoder_layers < 1:
+            raise ConfigError("decoder_layers must be >= 1")
         if self.draft_passes is not None and self.draft_passes < 0:
             raise ConfigError("draft_passes must be >= 0")
         if self.draft_refreshes is not None and self.draft_refreshes < 0:
@@ -127,6 +132,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nucleus-threshold", type=float, default=d.nucleus_threshold)
     g.add_argument("--block-size", type=int, default=d.block_size, help="anchor + draft tokens per verification")
     g.add_argument("--cache-size", type=int, default=d.cache_size, help="speculation cache entries (pipelined)")
+    g.add_argument("--decoder-layers", type=int, default=d.decoder_layers,
+                   help="pipelined: target layers the foresight decoder reuses (default: the adapter's "
+                        "recommendation, else all layers above the deepest one it predicts)")
     g.add_argument("--verify-length", default=d.verify_length, choices=VERIFY_LENGTHS,
                    help="auto: verify the prefix of each block with the most expected tokens per second, "
                         "or skip drafting while plain steps pay best; prefix: the same, at least one draft; "

@@ -50,6 +50,7 @@ class ModeTally:
     wall_s: float = 0.0
     rounds: int = 0  # verification rounds (prefill excluded)
     committed: int = 0  # tokens committed by those rounds
+    drafted: int = 0  # draft tokens verified by those rounds
     lookups: int = 0
     hits: int = 0
     exposed_s: list[float] = field(default_factory=list)
@@ -71,6 +72,7 @@ class ModeTally:
             "wall_s": round(self.wall_s, 3),
             "rounds": self.rounds,
             "tau": self.committed / self.rounds if self.rounds else None,
+            "verified_drafts_mean": self.drafted / self.rounds if self.rounds else None,
             "hit_rate": self.hits / self.lookups if self.lookups else None,
             "exposed_draft_ms_mean": statistics.fmean(ms) if ms and mode != "ar" else None,
             "exposed_draft_ms_p50": _quantile(ms, 0.5) if mode != "ar" else None,
@@ -95,6 +97,7 @@ async def run_one(engine: EngineClient, request: GenerateRequest, tally: ModeTal
         for stats in out.rounds:
             tally.rounds += 1
             tally.committed += stats.accepted + 1
+            tally.drafted += stats.drafted
             tally.verify_s.append(stats.verify_s)
             tally.nucleus_extra += stats.nucleus_extra
             if stats.exposed_draft_s is not None:

@@ -68,6 +68,11 @@ class AdapterConfig:
     target_name: str = ""
     format: str = FORMAT
     extra: dict = field(default_factory=dict)  # training recipe, loss scales, data summary (informational)
+    # Target layers the foresight decoder should reuse with this adapter (None: all layers above its deepest
+    # index). A deeper decoder reads a shallower, better-predicted index: measured on SmolLM2, the top 15
+    # layers over the index-15 prediction agree with the target's next token 2x as often as the top 3
+    # layers over the index-27 one (docs/benchmark.md).
+    decoder_layers: int | None = None
 
     @classmethod
     def for_target(cls, target_config, target_indices: list[int], layers_per_stage: int = 1,
@@ -212,6 +217,17 @@ class Adapter(nn.Module):
         model = cls(cfg, target_model)
         model.load_state_dict({k: v.float() for k, v in load_file(str(path / WEIGHTS_FILE)).items()}, strict=True)
         return model.to(device=device, dtype=dtype).eval()
+
+    def truncate(self, deepest_index: int) -> "Adapter":
+        """Drop the stages above hidden-state index `deepest_index` (in place): a decoder that starts at a
+        shallower index than the adapter's deepest needs only the stages up to its input."""
+        keep = [i for i, idx in enumerate(self.config.target_indices) if idx <= deepest_index]
+        if not keep:
+            raise ValueError(f"the adapter predicts {self.target_indices}: nothing at or below {deepest_index}")
+        self.stages = nn.ModuleList(self.stages[i] for i in keep)
+        self.config = dataclasses.replace(self.config, target_indices=[self.config.target_indices[i] for i in keep],
+                                          stage_layers=[self.config.stage_layers[i] for i in keep])
+        return self
 
     # ------------------------------------------------------------------ pieces
 

@@ -51,7 +51,10 @@ class DecoderCache:
 class ForesightDecoder:
     """The target's last `n_layers` layers + final norm + LM head, frozen and shared with `model`."""
 
-    def __init__(self, model, n_layers: int):
+    def __init__(self, model, n_layers: int, vocab_subset: torch.Tensor | None = None):
+        """`vocab_subset`: token ids [V'] the LM head scores (the rest get probability 0). The head is the
+        largest weight the decoder reads and reading it dominates a few-row pass where memory bandwidth
+        bounds (CPU, GPU decode); the draft model's own subset loses no outcome whose draft it can make."""
         config = model.config.get_text_config(decoder=True)
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -77,6 +80,10 @@ class ForesightDecoder:
         self.norm = model.model.norm
         self.rotary_emb = model.model.rotary_emb
         self.lm_head = model.get_output_embeddings()
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.vocab_subset = None if vocab_subset is None else vocab_subset.long().to(self.lm_head.weight.device)
+        # [V', hidden] copy of the subset's rows (a gather per call would read the whole head again)
+        self._head_rows = None if vocab_subset is None else self.lm_head.weight.detach()[self.vocab_subset].clone()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
 
@@ -126,20 +133,51 @@ class ForesightDecoder:
         return self.logits_and_hidden(cache, block_states, start_pos)[0]
 
     @torch.inference_mode()
-    def logits_and_hidden(self, cache: DecoderCache, block_states: torch.Tensor,
-                          start_pos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`logits` plus the final-normed states it read them from (hidden_states index L, in the
-        decoder's dtype): [(batch,) gamma+1, vocab] float32 and [(batch,) gamma+1, hidden]."""
-        length = cache.length
-        start_pos = length if start_pos is None else start_pos
-        if not 0 <= start_pos <= length:
-            raise ValueError(f"block must start within the context 0..{length}, got {start_pos}")
+    def logits_and_hidden(self, cache: DecoderCache, block_states: torch.Tensor, start_pos: int | None = None,
+                          keep: tuple[int, ...] = (), context_states: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logits` plus states the decoder passes through (in the decoder's dtype): the raw states at the
+        hidden_states indices `keep` (each in (input_index, L)), then the final-normed state (index L).
+        -> [(batch,) gamma+1, vocab] float32 and [(batch,) gamma+1, (len(keep)+1) * hidden].
+
+        `context_states` [m, hidden]: TRUE states of the m positions after the context, appended to it
+        (as `extend_context`) in the same pass as one block (batch 1) that starts right after them. A
+        pass over a few rows costs what reading the layers' weights costs, so this halves a round's
+        decoder time against extending and scoring separately."""
+        bad = [i for i in keep if not self.input_index < i < self.layer_ids[-1] + 1]
+        if bad:
+            raise ValueError(f"the decoder passes through indices {self.input_index + 1}..{self.layer_ids[-1]}, "
+                             f"not {bad}")
         squeeze = block_states.dim() == 2
         blocks = block_states[None] if squeeze else block_states  # [batch, gamma+1, hidden]
-        view = self._view(cache, upto=start_pos, batch=blocks.shape[0])  # context KV; cache untouched
-        h = self.norm(self._layers(blocks, start_pos, view))  # [batch, gamma+1, hidden]
-        out = self.lm_head(h).float()  # [batch, gamma+1, vocab]
-        return (out[0], h[0]) if squeeze else (out, h)
+        kept: list[torch.Tensor] = []
+        if context_states is not None and context_states.shape[0]:
+            h = self._extend_and_run(cache, context_states, blocks, start_pos, keep, kept)
+        else:
+            length = cache.length
+            start_pos = length if start_pos is None else start_pos
+            if not 0 <= start_pos <= length:
+                raise ValueError(f"block must start within the context 0..{length}, got {start_pos}")
+            view = self._view(cache, upto=start_pos, batch=blocks.shape[0])  # context KV; cache untouched
+            h = self._layers(blocks, start_pos, view, keep, kept)
+        h = self.norm(h)  # [batch, gamma+1, hidden]
+        out = self._head(h)  # [batch, gamma+1, vocab] float32
+        states = torch.cat([*kept, h], dim=-1)  # [batch, gamma+1, (len(keep)+1) * hidden]
+        return (out[0], states[0]) if squeeze else (out, states)
+
+    def _extend_and_run(self, cache: DecoderCache, context_states: torch.Tensor, blocks: torch.Tensor,
+                        start_pos: int | None, keep: tuple[int, ...], kept: list[torch.Tensor]) -> torch.Tensor:
+        """One pass over [new context states; block] -> the block's top-layer states [1, gamma+1, hidden];
+        the cache keeps the new context positions' keys/values only."""
+        length, m = cache.length, context_states.shape[0]
+        if blocks.shape[0] != 1 or (start_pos is not None and start_pos != length + m):
+            raise ValueError(f"context_states go with one block starting right after them (position {length + m})")
+        both = torch.cat([context_states.to(blocks.dtype), blocks[0]])[None]  # [1, m + gamma+1, hidden]
+        rows: list[torch.Tensor] = []
+        h = self._layers(both, length, cache.kv, keep, rows)
+        cache.kv.crop(-blocks.shape[1])  # the block's keys/values were scratch
+        kept.extend(r[:, m:] for r in rows)
+        return h[:, m:]
 
     def score(self, cache: DecoderCache, block_states: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
         """p_hat(. | j) for every prefix j of the block: softmax of `logits` at temperature 1.
@@ -149,6 +187,15 @@ class ForesightDecoder:
         return torch.softmax(self.logits(cache, block_states, start_pos), dim=-1)
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head over normed states [..., hidden] -> float32 logits [..., vocab] (-inf outside the subset)."""
+        if self._head_rows is None:
+            return self.lm_head(h).float()
+        sub = torch.nn.functional.linear(h, self._head_rows).float()  # [..., V']
+        out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., self.vocab_subset] = sub
+        return out
 
     def _view(self, cache: DecoderCache, upto: int, batch: int) -> DynamicCache:
         """A fresh cache whose decoder layers hold (references to) the first `upto` context positions."""
@@ -163,8 +210,10 @@ class ForesightDecoder:
             dst.keys, dst.values = keys, values  # DynamicLayer.update concatenates: never written in place
         return view
 
-    def _layers(self, states: torch.Tensor, start_pos: int, kv: DynamicCache) -> torch.Tensor:
-        """Top layers over `states` [(batch,) T, hidden] at positions start_pos.. -> [batch, T, hidden].
+    def _layers(self, states: torch.Tensor, start_pos: int, kv: DynamicCache, keep: tuple[int, ...] = (),
+                kept: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Top layers over `states` [(batch,) T, hidden] at positions start_pos.. -> [batch, T, hidden];
+        the states at hidden_states indices `keep` are appended to `kept` in `keep` order.
 
         Explicit position_ids, and the mask sized from the decoder's first layer (`layer_idx`): layer 0
         holds no keys here, and the default would size the mask from it (TRANSFORMERS-NOTES section 3).
@@ -179,7 +228,12 @@ class ForesightDecoder:
             config=self.config, inputs_embeds=h, attention_mask=None, cache=kv,
             position_ids=position_ids, layer_idx=self.first_layer,
         )
-        for layer in self.layers:
+        seen: dict[int, torch.Tensor] = {}
+        for layer_id, layer in zip(self.layer_ids, self.layers):
             h = layer(h, attention_mask=mask, position_ids=position_ids, cache=kv, use_cache=True,
                       position_embeddings=position_embeddings)
+            if layer_id + 1 in keep:  # index i = output of layer i-1
+                seen[layer_id + 1] = h
+        if kept is not None:
+            kept.extend(seen[i] for i in keep)
         return h

@@ -8,9 +8,13 @@ consumer gets its own columns.
 
 While the target verifies block [y0, d_1..d_gamma] (anchor y0 at position n = len(tokens)-1):
 
-    1. adapter   predicts the states of y0, d_1..d_gamma at positions n..n+gamma (all its indices)
+    1. adapter   predicts the states of y0, d_1..d_gamma at positions n..n+gamma (its indices up to
+                 the decoder's input; stages above it are dropped at construction)
     2. decoder   runs its top layers over the prediction at its input index -> p_hat rows, and the
-                 final-normed states (index L) the draft model also reads
+                 states it passes through that the draft model also reads (indices above its input,
+                 the final-normed index L). How deep it starts is `decoder_layers`: on a small target
+                 with a CPU-trained adapter the top-15 decoder over the index-15 prediction scores
+                 outcomes far better than the top 3 over the index-27 one (docs/benchmark.md).
     3. outcomes  Eq. 6 scores, the B best (Eq. 7); B, J and R from the round's plan (`budget.py`, Eq. 3):
                  what fits the verify time by the measured costs, within the caps
     4. drafting  outcome (k, a): context = true context + the PREDICTED states of rows 0..k
@@ -54,7 +58,10 @@ class _RequestState:
     draft: ContextKV | None = None  # the draft model's projected context K/V
     adapter: object = None  # the adapter's context
     decoder: DecoderCache | None = None
-    positions: int = 0  # context positions absorbed so far (0..positions-1)
+    positions: int = 0  # context positions the draft model has absorbed (0..positions-1)
+    scored: int = 0  # context positions the adapter and decoder have absorbed
+    unscored: list = field(default_factory=list)  # [n, ...] target states the draft model took, the adapter not yet
+    decoder_new: list = field(default_factory=list)  # [n, H] states at the decoder's input its cache lacks
     generator: torch.Generator = field(default_factory=torch.Generator)
 
 
@@ -104,18 +111,22 @@ class ForesightDrafter(JetSpecProposer):
         adapter_idx = [int(i) for i in adapter.target_indices]
         if adapter_idx != sorted(set(adapter_idx)):
             raise ValueError(f"adapter.target_indices must be ascending and distinct, got {adapter_idx}")
+        if decoder.input_index in adapter_idx and adapter_idx[-1] > decoder.input_index:
+            # A deeper decoder computes the upper states itself: the adapter's stages above its input idle.
+            adapter_idx = [int(i) for i in adapter.truncate(decoder.input_index).target_indices]
         if decoder.input_index not in adapter_idx:
             raise ValueError(
                 f"the decoder reads hidden_states index {decoder.input_index} (the target's top "
                 f"{decoder.n_layers} layers) but the adapter predicts {adapter_idx}: the adapter must also "
                 f"predict index {decoder.input_index}, or use a decoder of n_layers = {n_target} - "
                 f"(one of the adapter's indices)")
-        missing = [i for i in model.config.target_layers if i not in adapter_idx and i != n_target]
+        from_decoder = [i for i in model.config.target_layers if decoder.input_index < i <= n_target]
+        missing = [i for i in model.config.target_layers if i not in adapter_idx and i not in from_decoder]
         if missing:
             raise ValueError(
                 f"the draft model conditions on hidden_states indices {model.config.target_layers}; "
-                f"{missing} are neither predicted by the adapter ({adapter_idx}) nor the decoder's "
-                f"final-normed output (index {n_target}): the adapter must predict them")
+                f"{missing} are neither predicted by the adapter ({adapter_idx}) nor passed through by the "
+                f"decoder (indices {decoder.input_index + 1}..{n_target}): the adapter must predict them")
         self.adapter_indices = adapter_idx
         self.hidden_layers = sorted({*model.config.target_layers, *adapter_idx, decoder.input_index})
 
@@ -128,16 +139,21 @@ class ForesightDrafter(JetSpecProposer):
         self._decoder_cols = cols([decoder.input_index])
         # Columns of the decoder's input, and of the draft model's sources, in the adapter's prediction.
         self._pred_decoder_cols = torch.arange(hidden) + adapter_idx.index(decoder.input_index) * hidden
-        self._draft_sources = [("adapter", adapter_idx.index(i)) if i in adapter_idx else ("decoder", 0)
-                               for i in model.config.target_layers]
+        # The decoder passes through the indices above its input (final-normed last): see predict_rows.
+        self._decoder_keep = tuple(i for i in from_decoder if i != n_target)
+        decoder_states = [*self._decoder_keep, n_target]
+        self._draft_sources = [("adapter", adapter_idx.index(i)) if i in adapter_idx
+                               else ("decoder", decoder_states.index(i)) for i in model.config.target_layers]
         self._hidden = hidden
         self.costs = StepCosts()  # measured per-row costs of prediction, passes and refreshes (EMA)
         self.stats = ForesightStats()
 
     # ------------------------------------------------------------------ contexts
 
-    def _absorb(self, ctx: DraftContext) -> _RequestState:
-        """Feed the target states not yet absorbed (ctx.hidden) into all three contexts."""
+    def _absorb(self, ctx: DraftContext, draft_only: bool = False) -> _RequestState:
+        """Feed the target states not yet absorbed (ctx.hidden) into the draft model's context and, unless
+        `draft_only`, the adapter's; the decoder takes them in its next pass (`predict`, `_flush_decoder`).
+        A pipelined miss drafts with `draft_only` so the target does not wait for the adapter and decoder."""
         state = ctx.drafter_state
         if state is None:
             state = ctx.drafter_state = _RequestState(adapter=self.adapter.new_context(),
@@ -145,16 +161,32 @@ class ForesightDrafter(JetSpecProposer):
             state.generator.manual_seed(ctx.seed)  # independent of the target's draws
         states = ctx.pending_hidden()  # [n, len(hidden_layers) * H]
         if states is not None:
-            start = state.positions
             with torch.inference_mode():
-                state.draft = self.model.extend_context(state.draft, states[:, self._draft_cols], start)
-                state.adapter = self.adapter.extend_context(state.adapter, states[:, self._adapter_cols], start)
-                self.decoder.extend_context(state.decoder, states[:, self._decoder_cols], start)
+                state.draft = self.model.extend_context(state.draft, states[:, self._draft_cols], state.positions)
             state.positions += states.shape[0]
+            state.unscored.append(states)
             ctx.hidden.clear()
+        if not draft_only and state.unscored:
+            states, start = torch.cat(state.unscored), state.scored
+            with torch.inference_mode():
+                state.adapter = self.adapter.extend_context(state.adapter, states[:, self._adapter_cols], start)
+            state.decoder_new.append(states[:, self._decoder_cols])
+            state.scored += states.shape[0]
+            state.unscored.clear()
         return state
 
     absorb = _absorb
+
+    def _take_decoder_new(self, state: _RequestState) -> torch.Tensor | None:
+        """The true states [m, H] at the decoder's input that its cache has not taken yet (cleared)."""
+        new = torch.cat(state.decoder_new) if state.decoder_new else None
+        state.decoder_new.clear()
+        return new
+
+    def _flush_decoder(self, state: _RequestState) -> None:
+        new = self._take_decoder_new(state)
+        if new is not None:
+            self.decoder.extend_context(state.decoder, new, state.decoder.length)
 
     # ------------------------------------------------------------------ fallback
 
@@ -162,7 +194,7 @@ class ForesightDrafter(JetSpecProposer):
         """Sync mode: J0 + `passes` (as JetSpecProposer). Pipelined miss: the fallback, J0 only."""
         if max_drafts <= 0:
             return []
-        state = self._absorb(ctx)
+        state = self._absorb(ctx, draft_only=True)
         if state.draft is None:
             return []
         noise = draw_noise(ctx.tokens, max_drafts - 1, state.generator)
@@ -177,22 +209,29 @@ class ForesightDrafter(JetSpecProposer):
     @torch.inference_mode()
     def predict(self, ctx: DraftContext, block: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Steps 1-2 for the block under verification: adapter prediction [gamma+1, n_adapter*H],
-        decoder logits [gamma+1, vocab] (float32) and final-normed states [gamma+1, H]."""
+        decoder logits [gamma+1, vocab] (float32) and the decoder's states [gamma+1, n_dec*H]."""
         state = self._absorb(ctx)
         n = len(ctx.tokens) - 1
-        if state.positions != n:
-            raise ValueError(f"foresight needs the true states of positions 0..{n - 1}, have {state.positions}")
-        pred, logits, normed = self.predict_rows(state, n, torch.tensor([[ctx.tokens[-1], *block]]))
-        return pred[0], logits[0], normed[0]
+        if state.scored != n:
+            raise ValueError(f"foresight needs the true states of positions 0..{n - 1}, have {state.scored}")
+        tokens = torch.tensor([[ctx.tokens[-1], *block]])
+        pred, logits, dec_states = self.predict_rows(state, n, tokens, self._take_decoder_new(state))
+        return pred[0], logits[0], dec_states[0]
 
     @torch.inference_mode()
-    def predict_rows(self, state: _RequestState, n: int, tokens: torch.Tensor):
+    def predict_rows(self, state: _RequestState, n: int, tokens: torch.Tensor,
+                     decoder_new: torch.Tensor | None = None):
         """Rows of tokens [R, L] at positions n..n+L-1 over the true context (causal: right-padding is
-        harmless) -> adapter prediction [R, L, n_adapter*H], decoder logits [R, L, vocab] (float32) and
-        final-normed states [R, L, H]."""
+        harmless) -> adapter prediction [R, L, n_adapter*H], decoder logits [R, L, vocab] (float32) and the
+        decoder's states the draft model reads [R, L, n_dec*H] (indices above the decoder's input, then the
+        final-normed state). `decoder_new` [m, H] (one row only): the decoder's new context states, taken
+        into its cache in the same pass."""
+        if decoder_new is None:
+            self._flush_decoder(state)
         pred = self.adapter.predict(state.adapter, tokens.long(), n)  # [R, L, n_adapter * H]
-        logits, normed = self.decoder.logits_and_hidden(state.decoder, pred[..., self._pred_decoder_cols], n)
-        return pred, logits, normed
+        logits, dec_states = self.decoder.logits_and_hidden(state.decoder, pred[..., self._pred_decoder_cols], n,
+                                                            keep=self._decoder_keep, context_states=decoder_new)
+        return pred, logits, dec_states
 
     def select(self, logits: torch.Tensor, block: list[int], B: int, temperature: float | None) -> list[Outcome]:
         """Step 3: the B outcomes to pre-draft, best first (Eq. 6-7; greedy path first at temperature 0)."""
@@ -206,11 +245,11 @@ class ForesightDrafter(JetSpecProposer):
         greedy = Outcome(k, top[k], float(scores.prefix[k] * scores.anchor[k, top[k]]))
         return [greedy] + [o for o in picked if (o.k, o.a) != (greedy.k, greedy.a)][: B - 1]
 
-    def draft_states(self, pred: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+    def draft_states(self, pred: torch.Tensor, dec_states: torch.Tensor) -> torch.Tensor:
         """The predicted states in the draft model's source order: [(R,) L, n_src * H] from the adapter's
-        [(R,) L, n_adapter * H] and the decoder's final-normed [(R,) L, H]."""
+        [(R,) L, n_adapter * H] and the decoder's [(R,) L, n_dec * H] (`predict_rows`)."""
         h = self._hidden
-        parts = [pred[..., j * h:(j + 1) * h].float() if src == "adapter" else normed.float()
+        parts = [(pred if src == "adapter" else dec_states)[..., j * h:(j + 1) * h].float()
                  for src, j in self._draft_sources]
         return torch.cat(parts, dim=-1)
 
@@ -243,7 +282,7 @@ class ForesightDrafter(JetSpecProposer):
         state = self._absorb(ctx)
         if state.draft is None:
             return []
-        pred, logits, normed = self.predict(ctx, block)
+        pred, logits, dec_states = self.predict(ctx, block)
         # A fixed temperature given at construction wins; else the request's own (from StartDraft).
         temperature = self.temperature if self.temperature is not None else ctx.temperature
         t1 = time.perf_counter()
@@ -252,7 +291,7 @@ class ForesightDrafter(JetSpecProposer):
         picked = self.select(logits, block, plan.outcomes, temperature)
         if not picked:
             return []
-        refiner = self.predraft(ctx, state, block, picked, self.draft_states(pred, normed), max_drafts, plan, mode)
+        refiner = self.predraft(ctx, state, block, picked, self.draft_states(pred, dec_states), max_drafts, plan, mode)
         t2 = time.perf_counter()
         self.stats = ForesightStats(len(picked), t1 - t0, t2 - t1, t2 - t0, plan, mode)
         rows = zip(picked, refiner.drafts.tolist(), refiner.passes, refiner.refreshes)
@@ -298,7 +337,14 @@ def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineCon
     target, dtype = load_drafter_target(cfg)
     model = DraftModel.load(drafter_path, SharedWeights.from_target(target), cfg.drafter_device, dtype)
     adapter = Adapter.load(adapter_path, target, cfg.drafter_device, dtype)
-    decoder = ForesightDecoder(target, n_layers=target.config.num_hidden_layers - max(adapter.target_indices))
+    n_target = target.config.num_hidden_layers
+    n_layers = cfg.decoder_layers or adapter.config.decoder_layers or n_target - max(adapter.target_indices)
+    if n_layers > n_target or n_target - n_layers not in adapter.target_indices:
+        raise ConfigError(f"decoder_layers: the decoder's input (index {n_target} - {n_layers}) must be an index the "
+                          f"adapter predicts ({adapter.target_indices}): choose one of "
+                          f"{[n_target - i for i in adapter.target_indices]}")
+    subset = model.vocab_subset if model.config.vocab_subset_size else None  # the draft model's vocabulary
+    decoder = ForesightDecoder(target, n_layers=n_layers, vocab_subset=subset)
     return ForesightDrafter(model, adapter, decoder, passes=cfg.draft_passes, cache_size=cfg.cache_size,
                             refreshes=cfg.draft_refreshes, refinement=cfg.refinement,
                             use_budget=cfg.foresight_budget)

@@ -113,9 +113,9 @@ class Refiner:
         for j, (b, head) in enumerate(zip(rows, heads)):
             tokens[j, :len(head)] = torch.tensor(head)
             tokens[j, len(head):len(head) + m] = self.drafts[b]
-        pred, logits, normed = self.drafter.predict_rows(self.state, self.n, tokens)  # [rows, L, ...]
+        pred, logits, dec_states = self.drafter.predict_rows(self.state, self.n, tokens)  # [rows, L, ...]
         guesses = logits.argmax(-1).cpu()  # [rows, L]: position p guesses the token at p+1
-        states = self.drafter.draft_states(pred, normed)  # [rows, L, n_src*H]
+        states = self.drafter.draft_states(pred, dec_states)  # [rows, L, n_src*H]
         for j, (b, head) in enumerate(zip(rows, heads)):
             self.states[b] = states[j, :len(head) + m]
             self.refreshes[b] += 1

@@ -1,4 +1,4 @@
-"""The `foresight` command: serve, bench, prepare-model, train, eval-drafter."""
+"""The `foresight` command: serve, bench, prepare-model, train, eval-drafter, eval-foresight."""
 from __future__ import annotations
 
 import argparse

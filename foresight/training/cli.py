@@ -1,4 +1,4 @@
-"""`foresight train drafter` and `foresight eval-drafter`.
+"""`foresight train drafter|adapter`, `foresight eval-drafter` and `foresight eval-foresight`.
 
     foresight train drafter --out DIR [--device cpu|cuda] [--steps N] [--data-dir DIR] [--resume] [--seed S]
         phase "label": teacher-force the target over stdlib conversations (and, with --regen N, over its own
@@ -8,6 +8,8 @@
         train the hidden-to-hidden adapter on labelled data (resumable; see training/train_adapter.py).
     foresight eval-drafter --drafter DIR [--prompts humaneval] [--limit N] [--temperatures 0,1]
                            [--block-sizes 8,16,32] [--passes 0,1,2,3] --out report.json
+    foresight eval-foresight [--drafter DIR] [--decoder-layers 3,15] [--cache-sizes 1,2,4,8,16] --out report.json
+        offline replay of the outcomes foresight selects: hit rate per cache size B and decoder depth.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-COMMANDS = ("train", "eval-drafter")
+COMMANDS = ("train", "eval-drafter", "eval-foresight")
 
 # Recipes: the CPU one runs in the background for hours and resumes; the GPU one labels more (with the
 # target's own answers) and trains bigger batches in one short run.
@@ -31,7 +33,7 @@ RECIPES = {
 
 
 def add_train_args(sub) -> None:
-    """Register `train drafter` and `eval-drafter` on the top-level subparsers."""
+    """Register `train drafter|adapter`, `eval-drafter` and `eval-foresight` on the top-level subparsers."""
     train = sub.add_parser("train", help="train drafter models")
     what = train.add_subparsers(dest="train_what", required=True)
     d = what.add_parser("drafter", help="label data with the target and train the JetSpec draft model")
@@ -70,6 +72,9 @@ def add_train_args(sub) -> None:
     a.add_argument("--bottom-layers", type=int, default=None,
                    help="depth of the bottom stage (default: --layers-per-stage); 3 = all layers below index 3")
     a.add_argument("--indices", default=None, help="comma list of target hidden-state indices to predict")
+    a.add_argument("--decoder-layers", type=int, default=None,
+                   help="record the foresight decoder depth to serve the adapter with (its input index must be "
+                        "one the adapter predicts; default: all target layers above the deepest)")
     a.add_argument("--lr", type=float, default=None)
     a.add_argument("--ckpt-every", type=int, default=None)
     a.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
@@ -91,11 +96,33 @@ def add_train_args(sub) -> None:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", required=True)
 
+    f = sub.add_parser("eval-foresight", help="offline replay of foresight outcome selection: hit rate per cache size "
+                                              "and decoder depth")
+    f.add_argument("--drafter", default="auto", help="drafter checkpoint folder with its adapter (default: shipped)")
+    f.add_argument("--adapter", default="auto", help="auto (<drafter>/adapter) | PATH")
+    f.add_argument("--target", default=None)
+    f.add_argument("--prompts", default="humaneval", help="humaneval | JSONL file")
+    f.add_argument("--offset", type=int, default=1, help="skip this many prompts first")
+    f.add_argument("--limit", type=int, default=5)
+    f.add_argument("--decoder-layers", default="3,15", help="comma list of decoder depths to compare")
+    f.add_argument("--cache-sizes", default="1,2,4,8,16")
+    f.add_argument("--block-size", type=int, default=16)
+    f.add_argument("--passes", type=int, default=0, help="Jacobi passes of the replayed drafts (0: a miss's J0)")
+    f.add_argument("--max-tokens", type=int, default=128)
+    f.add_argument("--threads", type=int, default=1)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--out", required=True)
+
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.command == "eval-foresight":
+        from .eval_foresight import run_eval_foresight
+
+        run_eval_foresight(args)
+        return 0
     if args.command == "eval-drafter":
         from .eval_drafter import run_eval
 
@@ -116,6 +143,7 @@ def train_adapter_cmd(args: argparse.Namespace) -> int:
 
     given = dict(steps=args.steps, batch_seqs=args.batch_seqs, anchors=args.anchors, block_size=args.block_size,
                  layers_per_stage=args.layers_per_stage, bottom_layers=args.bottom_layers, lr=args.lr, ckpt_every=args.ckpt_every, seed=args.seed,
+                 decoder_layers=args.decoder_layers,
                  target_indices=[int(x) for x in args.indices.split(",")] if args.indices else None)
     s = AdapterTrainSettings(device=args.device, **{k: v for k, v in given.items() if v is not None})
     target = load_target(resolve_target(args.target), torch.float32, args.device)

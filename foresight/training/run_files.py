@@ -15,10 +15,14 @@ PLOT_FILE = "loss.png"
 MAX_HISTORY = 500  # history rows kept in the report (evenly thinned)
 
 
+# Settings a resumed run takes from the command line: they change neither the batches nor the updates.
+RESETTABLE = ("steps", "device", "ckpt_every", "decoder_layers")
+
+
 def open_run(out: Path, resume: bool, settings):
     """Create the run folder and, with `resume`, load its state: (state or None, settings). A resumed run
-    keeps its own settings except the length, device and checkpoint interval given now (a resumed run
-    may be lengthened or moved); an existing state without `resume` is an error, never overwritten."""
+    keeps its own settings except the RESETTABLE ones given now (a resumed run may be lengthened or
+    moved); an existing state without `resume` is an error, never overwritten."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / STATE_FILE
     if path.exists() and not resume:
@@ -26,7 +30,7 @@ def open_run(out: Path, resume: bool, settings):
     if not (resume and path.exists()):
         return None, settings
     state = torch.load(path, map_location="cpu", weights_only=False)
-    kept = {"steps": settings.steps, "device": settings.device, "ckpt_every": settings.ckpt_every}
+    kept = {k: getattr(settings, k) for k in RESETTABLE if hasattr(settings, k)}
     return state, type(settings)(**{**state["settings"], **kept})
 
 

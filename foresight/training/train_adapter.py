@@ -49,6 +49,7 @@ class AdapterTrainSettings:
     layers_per_stage: int = 1
     bottom_layers: int | None = None  # depth of the bottom stage (default layers_per_stage); see Adapter.from_target
     target_indices: list[int] | None = None  # default: the data's raw indices below the final norm
+    decoder_layers: int | None = None  # recorded in the checkpoint: the decoder depth to serve it with
     lr: float = 2e-4  # the stages start from target layers: a fine-tune, not training from scratch
     warmup: int = 100
     decay_frac: float = 0.25
@@ -181,6 +182,7 @@ def train_adapter(target, data: LabelledData, out: Path, s: AdapterTrainSettings
         opt.load_state_dict(state["optimizer"])
         history, step = state["history"], state["step"]
         log(f"[train] resumed at step {step} from {out / STATE_FILE}")
+    model.config.decoder_layers = s.decoder_layers
     model.config.extra = {"train": asdict(s), "loss_scales": scales,
                           "data": {"tokens": data.num_tokens, "sequences": len(data), "path": str(data.path)}}
     bar = tqdm(total=s.steps, initial=step, unit="step", desc="train adapter", dynamic_ncols=True)

@@ -69,3 +69,9 @@ class OracleAdapter:
         prefix = torch.tensor(self.sequences[actx.seq][:start_pos], dtype=torch.long)
         ids = torch.cat([prefix.expand(tokens.shape[0], -1), tokens.long()], dim=1)
         return self.true_states(ids)[:, start_pos:]
+
+    def truncate(self, deepest_index: int) -> "OracleAdapter":
+        """As Adapter.truncate: predict only the indices up to `deepest_index` from now on."""
+        self.target_indices = [i for i in self.target_indices if i <= deepest_index]
+        self._truth = [self.true_states(s) for s in self.sequences]
+        return self

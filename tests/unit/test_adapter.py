@@ -214,9 +214,11 @@ def test_train_resume_matches_uninterrupted_run(data_dir, target, tmp_path):
     train_adapter(target, data, tmp_path / "b", AdapterTrainSettings(steps=2, **s))
     with pytest.raises(FileExistsError):
         train_adapter(target, data, tmp_path / "b", AdapterTrainSettings(steps=4, **s))
-    resumed = train_adapter(target, data, tmp_path / "b", AdapterTrainSettings(steps=4, **s), resume=True)
+    resumed = train_adapter(target, data, tmp_path / "b", AdapterTrainSettings(steps=4, decoder_layers=2, **s),
+                            resume=True)  # the serving depth can be recorded on resume
     assert full["steps_done"] == resumed["steps_done"] == 4
     assert [h["loss"] for h in full["history"]] == pytest.approx([h["loss"] for h in resumed["history"]], rel=1e-5)
     assert full["target_indices"] == INDICES and len(full["loss_scales"]) == 2
     a, b = Adapter.load(tmp_path / "a", target), Adapter.load(tmp_path / "b", target)
+    assert (a.config.decoder_layers, b.config.decoder_layers) == (None, 2)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))

@@ -59,6 +59,63 @@ def test_true_states_reproduce_target_logits(target, n_layers):
     assert cache.length == 16
 
 
+def test_keep_returns_the_states_the_decoder_passes_through(target):
+    """With true inputs the kept states are the target's own at those indices, the last block its
+    final-normed state (hidden_states index L); indices outside the decoder's layers are refused."""
+    model, ids = target
+    n = model.config.num_hidden_layers
+    dec = ForesightDecoder(model, n - 1)  # input index 1, passes through 2..n-1
+    with torch.inference_mode():
+        out = model(ids, output_hidden_states=True)
+    cache = dec.new_cache()
+    dec.extend_context(cache, out.hidden_states[1][0, :10], 0)
+    logits, states = dec.logits_and_hidden(cache, out.hidden_states[1][0, 10:15], 10, keep=(2,))
+    h = model.config.hidden_size
+    assert states.shape == (5, 2 * h)
+    torch.testing.assert_close(states[:, :h], out.hidden_states[2][0, 10:15], atol=ATOL, rtol=0)
+    torch.testing.assert_close(states[:, h:], out.hidden_states[n][0, 10:15], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, out.logits[0, 10:15].float(), atol=ATOL, rtol=0)
+    for bad in (1, n):
+        with pytest.raises(ValueError, match="passes through"):
+            dec.logits_and_hidden(cache, out.hidden_states[1][0, 10:15], 10, keep=(bad,))
+
+
+def test_context_states_in_the_same_pass_equal_extend_then_score(target):
+    """Extending the context inside the scoring pass gives the same logits, states and cache as two calls."""
+    model, ids = target
+    dec = ForesightDecoder(model, 2)
+    states, _ = true_run(model, ids, dec.input_index)
+    two, one = dec.new_cache(), dec.new_cache()
+    for cache in (two, one):
+        dec.extend_context(cache, states[:8], 0)
+    dec.extend_context(two, states[8:11], 8)
+    want = dec.logits_and_hidden(two, states[11:15], 11)
+    got = dec.logits_and_hidden(one, states[11:15], 11, context_states=states[8:11])
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+    assert one.length == two.length == 11
+    torch.testing.assert_close(dec.logits(one, states[11:16]), dec.logits(two, states[11:16]), atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="right after them"):
+        dec.logits_and_hidden(one, states[13:15], 13, context_states=states[11:12])
+
+
+def test_vocab_subset_scores_only_its_tokens(target):
+    """With a vocabulary subset the logits equal the full head's on the subset and are -inf elsewhere."""
+    model, ids = target
+    subset = torch.arange(0, VOCAB, 3)
+    full, sub = ForesightDecoder(model, 1), ForesightDecoder(model, 1, vocab_subset=subset)
+    states, _ = true_run(model, ids, full.input_index)
+    caches = [full.new_cache(), sub.new_cache()]
+    for dec, cache in zip((full, sub), caches):
+        dec.extend_context(cache, states[:10], 0)
+    want, got = full.logits(caches[0], states[10:14]), sub.logits(caches[1], states[10:14])
+    torch.testing.assert_close(got[:, subset], want[:, subset], atol=ATOL, rtol=0)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[subset] = False
+    assert torch.isneginf(got[:, outside]).all()
+    assert torch.isclose(sub.score(caches[1], states[10:14]).sum(-1), torch.ones(4)).all()
+
+
 def test_batched_blocks_match_single(target):
     model, ids = target
     dec = ForesightDecoder(model, 2)

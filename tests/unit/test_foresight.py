@@ -83,6 +83,37 @@ def test_construction_checks_and_hidden_layers(target, sequences):
         ForesightDrafter(model, None, ForesightDecoder(target, 1))
 
 
+def test_deeper_decoder_drops_adapter_stages_and_feeds_the_draft_model(target, sequences):
+    """A decoder starting below the adapter's deepest index: the adapter keeps only the stages up to the
+    decoder's input, and the draft model reads the decoder's pass-through states above it (here index 2
+    and the final-normed 3), which with true inputs are the target's own."""
+    torch.manual_seed(0)
+    cfg = DraftConfig.for_target(target.config, target_layers=[1, 2, 3], num_layers=1, block_size=8)
+    model = DraftModel(cfg, SharedWeights.from_target(target)).eval()
+    drafter = ForesightDrafter(model, OracleAdapter(target, [1, 2], sequences), ForesightDecoder(target, 2))
+    assert drafter.adapter.target_indices == [1] and drafter.adapter_indices == [1]
+    assert drafter.hidden_layers == [1, 2, 3] and drafter.decoder.input_index == 1
+    seq, p = sequences[0], len(PROMPTS[0])
+    truth = true_states(target, seq, [1, 2, 3])
+    ctx = DraftContext(req_id="r", tokens=seq[:p + 1], seed=0, hidden=[truth[:p]])
+    pred, _, dec_states = drafter.predict(ctx, seq[p + 1:p + 4])  # the true continuation as the block
+    torch.testing.assert_close(drafter.draft_states(pred, dec_states), truth[p:p + 4], atol=1e-4, rtol=0)
+
+
+def test_pipelined_miss_drafts_before_the_adapter_and_decoder_absorb(target, sequences):
+    """The fallback draft of a pipelined miss extends only the draft model's context (the target waits
+    for it); foresight absorbs the same states into the adapter and decoder afterwards."""
+    drafter = make_drafter(target, sequences)
+    seq, p = sequences[0], len(PROMPTS[0])
+    truth = true_states(target, seq, drafter.hidden_layers)
+    ctx = DraftContext(req_id="r", tokens=seq[:p + 1], seed=0, hidden=[truth[:p]], pipelined=True)
+    block = drafter.propose(ctx, GAMMA)
+    state = ctx.drafter_state
+    assert (state.positions, state.scored, len(state.unscored)) == (p, 0, 1)
+    drafter.foresee(ctx, block, GAMMA, budget_s=0.0)
+    assert (state.positions, state.scored, state.unscored) == (p, p, [])
+
+
 def test_plan_uses_the_caps_and_the_measured_costs(target, sequences):
     """The round's plan: caps without a budget or a measurement; else Eq. 3 (tested in test_refinement.py)."""
     drafter = make_drafter(target, sequences, cache_size=6, foresight_passes=3, refreshes=2)
@@ -177,7 +208,9 @@ def test_pipelined_engine_is_lossless_and_hits_the_cache(target, sequences):
 
 def test_make_proposer_picks_foresight_when_an_adapter_ships_beside_the_drafter(tmp_path):
     """Checkpoint folders -> the right proposer: draft model alone = sync only; with adapter/ = foresight."""
-    from foresight.config import EngineConfig
+    import dataclasses
+
+    from foresight.config import ConfigError, EngineConfig
     from foresight.drafter_worker.adapter import Adapter
     from foresight.drafter_worker.draft_model import DraftConfig, DraftModel, SharedWeights
     from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
@@ -196,5 +229,9 @@ def test_make_proposer_picks_foresight_when_an_adapter_ships_beside_the_drafter(
     Adapter.from_target(target, target_indices=[1, 2]).save(tmp_path / "drafter" / "adapter")
     with_foresight = make_proposer(cfg)
     assert with_foresight.supports_foresight and with_foresight.decoder.input_index == 2
+    deeper = make_proposer(dataclasses.replace(cfg, decoder_layers=n - 1))  # input index 1: adapter keeps [1]
+    assert deeper.decoder.input_index == 1 and deeper.adapter.target_indices == [1]
+    with pytest.raises(ConfigError, match="decoder_layers"):  # input index 0 is not predicted
+        make_proposer(dataclasses.replace(cfg, decoder_layers=n))
     assert not make_proposer(EngineConfig(target=str(target_dir), drafter=str(tmp_path / "drafter"),
                                           adapter="none")).supports_foresight

@@ -1,0 +1,109 @@
+"""Offline replay of foresight outcome selection (the shape of JetSpec++ Tables 10-11).
+
+Greedy speculative decoding with the real target, one request at a time (the sync round of
+`eval_drafter.speculate`, T = 0). Before each verification the foresight drafter predicts the block's
+states and selects outcomes exactly as it does in pipelined serving (`ForesightDrafter.select`: the
+decoder's greedy path first, then the Eq. 6 scores); after it, the realised outcome (k, a) is looked up
+among the first B selected, for every B asked. This isolates what the adapter and the decoder know from
+the serving budget and timing: the bench's hit rate can only be lower (the budget may draft fewer
+outcomes than the cache size).
+
+Reported per decoder depth (`--decoder-layers`): hit rate at each B, the decoder's top-1 agreement
+with the target's token after the anchor (row 0: the outcome of every round whose first draft fails),
+tau of the replayed rounds and the median predict time (adapter + decoder, one thread unless --threads).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..drafter_worker.proposer import DraftContext
+from ..target_worker.runner import TargetRunner
+from ..target_worker.verification import verify
+from ..target_worker.worker import eos_ids
+from .eval_drafter import _ints
+
+
+def replay(runner: TargetRunner, drafter, prompt: list[int], max_tokens: int, block_size: int,
+           eos: list[int], cache_sizes: list[int]) -> dict:
+    """One greedy request; per round the realised outcome's place among the selected outcomes."""
+    gen = torch.Generator(device=runner.device).manual_seed(0)
+    cache = runner.new_cache()
+    res = runner.prefill(cache, prompt)
+    out = [int(res.logits[-1].argmax())]
+    ctx = DraftContext(req_id="eval", tokens=list(prompt), seed=0, hidden=[res.hidden])
+    ctx.absorb(0, out[0], None)
+    hits = {b: 0 for b in cache_sizes}
+    rounds, committed, anchor_agree, predict_s = 0, 0, 0, []
+    while len(out) < max_tokens and out[-1] not in eos:
+        n = min(block_size - 1, max_tokens - len(out) - 1)
+        draft = drafter.propose(ctx, n)[:n] if n > 0 else []
+        if not draft:
+            break
+        t0 = time.perf_counter()
+        _, logits, _ = drafter.predict(ctx, draft)  # [gamma+1, vocab]
+        selected = drafter.select(logits, draft, max(cache_sizes), 0.0)
+        predict_s.append(time.perf_counter() - t0)
+        result = runner.verify(cache, ctx.tokens[-1], draft)
+        verdict = verify(result.logits, draft, temperature=0.0, generator=gen)
+        runner.rollback(cache, len(draft) - verdict.accepted, result)
+        realised = [i for i, o in enumerate(selected) if (o.k, o.a) == (verdict.accepted, verdict.token)]
+        for b in cache_sizes:
+            hits[b] += bool(realised and realised[0] < b)
+        anchor_agree += int(logits[0].argmax()) == int(result.logits[0].argmax())
+        rounds += 1
+        committed += verdict.accepted + 1
+        ctx.last_block = draft
+        ctx.absorb(verdict.accepted, verdict.token, result.hidden[:verdict.accepted + 1])
+        out.extend(draft[:verdict.accepted] + [verdict.token])
+    return {"rounds": rounds, "committed": committed, "hits": hits, "anchor_agree": anchor_agree,
+            "predict_s": predict_s}
+
+
+def run_eval_foresight(args: argparse.Namespace) -> dict:
+    from ..bench.prompts import load_prompts
+    from ..config import EngineConfig
+    from ..drafter_worker.worker import make_proposer
+    from ..target_worker.loading import load_target, load_tokenizer, resolve_target
+    from .labelling import chat_ids
+
+    path = resolve_target(args.target)
+    target = load_target(path, torch.float32, "cpu")
+    tokenizer = load_tokenizer(path)
+    items = load_prompts(args.prompts, args.offset + args.limit)[args.offset:]
+    prompts = [chat_ids(tokenizer, item["messages"], True) if "messages" in item
+               else tokenizer.encode(item["prompt"], add_special_tokens=False) for item in items]
+    sizes, eos = _ints(args.cache_sizes), eos_ids(target)
+    results = []
+    for depth in _ints(args.decoder_layers):
+        cfg = EngineConfig(target=args.target, drafter=args.drafter, adapter=args.adapter, dtype="float32",
+                           decoder_layers=depth, draft_passes=args.passes)
+        drafter = make_proposer(cfg)
+        if not getattr(drafter, "supports_foresight", False):
+            raise SystemExit(f"eval-foresight: {args.drafter} has no adapter (foresight) to evaluate")
+        runner = TargetRunner(target, drafter.hidden_layers)
+        runs = [replay(runner, drafter, p, args.max_tokens, args.block_size, eos, sizes) for p in prompts]
+        rounds = sum(r["rounds"] for r in runs)
+        row = {"decoder_layers": depth, "decoder_input_index": drafter.decoder.input_index, "rounds": rounds,
+               "tau": sum(r["committed"] for r in runs) / max(1, rounds),
+               "hit_rate": {str(b): sum(r["hits"][b] for r in runs) / max(1, rounds) for b in sizes},
+               "anchor_agreement": sum(r["anchor_agree"] for r in runs) / max(1, rounds),
+               "predict_ms_p50": 1e3 * statistics.median([s for r in runs for s in r["predict_s"]] or [0.0])}
+        results.append(row)
+        hits = " ".join(f"B{b}={row['hit_rate'][str(b)]:.2f}" for b in sizes)
+        print(f"[eval-foresight] decoder {depth} layers (input index {row['decoder_input_index']}): {hits} "
+              f"anchor agreement {row['anchor_agreement']:.2f}, tau {row['tau']:.3f}, {rounds} rounds, "
+              f"predict {row['predict_ms_p50']:.1f} ms", flush=True)
+    report = {"target": str(path), "drafter": args.drafter, "adapter": args.adapter,
+              "settings": {"prompts": args.prompts, "offset": args.offset, "limit": args.limit,
+                           "max_tokens": args.max_tokens, "block_size": args.block_size, "passes": args.passes,
+                           "threads": args.threads, "dtype": "float32"},
+              "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
