@@ -79,6 +79,8 @@ class ModeTally:
             "exposed_draft_ms_p90": _quantile(ms, 0.9) if mode != "ar" else None,
             "verify_ms_mean": 1e3 * statistics.fmean(self.verify_s) if self.verify_s else None,
             "outputs_match_ar": match,
+            "predrafted_passes_mean": self.passes / self.predrafted if self.predrafted else None,
+            "predrafted_refreshes_mean": self.refreshes / self.predrafted if self.predrafted else None,
         }
 
 
@@ -200,7 +202,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
                      "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max, "refinement": cfg.refinement,
                      "draft_passes": cfg.draft_passes, "draft_refreshes": cfg.draft_refreshes,
                      "foresight_budget": cfg.foresight_budget, "verify_length": cfg.verify_length,
-                     "cache_size": cfg.cache_size, "seed": args.seed},
+                     "cache_size": cfg.cache_size, "decoder_layers": cfg.decoder_layers, "seed": args.seed},
         "modes": summary,
         "ratios": ratios(summary),
     }
