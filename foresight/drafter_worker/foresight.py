@@ -255,15 +255,19 @@ class ForesightDrafter(JetSpecProposer):
 
     @torch.inference_mode()
     def draft_outcomes(self, state: _RequestState, n: int, states: torch.Tensor, outcomes: list[tuple[int, int]],
-                       noise: torch.Tensor, passes: int) -> torch.Tensor:
+                       noise: torch.Tensor, passes: int, with_confidence: bool = False):
         """Step 4: one batch, row b continues outcome (k_b, a_b).
 
         states [gamma+1, n_src*H]: predicted draft-model states of positions n..n+gamma; noise [B, m-1].
         Row b's context is the true context + states[:k_b+1] (the newest `context_window` positions),
-        its anchor a_b at position n+k_b+1. Returns the last pass's drafts [B, m]."""
+        its anchor a_b at position n+k_b+1. Returns the last pass's drafts [B, m] (with_confidence: and
+        the draft model's top-1 probability of each [B, m])."""
         contexts = row_contexts(self.model, state.draft, n, states[None], [k + 1 for k, _ in outcomes])
         anchors = torch.tensor([a for _, a in outcomes], dtype=torch.long)
-        return self.model.draft(contexts, anchors, noise, passes)[-1]
+        if not with_confidence:
+            return self.model.draft(contexts, anchors, noise, passes)[-1]
+        ids, probs = self.model.draft_with_confidence(contexts, anchors, noise, passes)
+        return ids[-1], probs[-1]
 
     def plan(self, budget_s: float, mode: str) -> Plan:
         """This round's B, J, R (Eq. 3, `budget.plan_round`): caps `cache_size`, `foresight_passes` and
@@ -294,9 +298,9 @@ class ForesightDrafter(JetSpecProposer):
         refiner = self.predraft(ctx, state, block, picked, self.draft_states(pred, dec_states), max_drafts, plan, mode)
         t2 = time.perf_counter()
         self.stats = ForesightStats(len(picked), t1 - t0, t2 - t1, t2 - t0, plan, mode)
-        rows = zip(picked, refiner.drafts.tolist(), refiner.passes, refiner.refreshes)
-        return [CacheEntry(accepted=o.k, bonus=o.a, tokens=tuple(d), score=o.score, passes=j, refreshes=r)
-                for o, d, j, r in rows]
+        rows = zip(picked, refiner.drafts.tolist(), refiner.confidence, refiner.passes, refiner.refreshes)
+        return [CacheEntry(accepted=o.k, bonus=o.a, tokens=tuple(d), score=o.score, passes=j, refreshes=r,
+                           confidence=tuple(c) if c is not None else ()) for o, d, c, j, r in rows]
 
     def predraft(self, ctx: DraftContext, state: _RequestState, block: list[int], picked: list[Outcome],
                  states: torch.Tensor, max_drafts: int, plan: Plan, mode: str) -> Refiner:
@@ -308,9 +312,10 @@ class ForesightDrafter(JetSpecProposer):
                              for o in picked])  # [B, max_drafts-1]
         outcomes, plain = [(o.k, o.a) for o in picked], plan.passes - plan.refreshes
         t0 = time.perf_counter()
-        drafts = self.draft_outcomes(state, n, states, outcomes, noise, plain)  # [B, max_drafts]
+        drafts, confidence = self.draft_outcomes(state, n, states, outcomes, noise, plain, with_confidence=True)
         self.costs.update("pass_s", (time.perf_counter() - t0) / ((1 + plain) * len(picked)))
-        refiner = Refiner(self, state, n, ctx.tokens[-1], block, outcomes, drafts, mode, passes=plain)
+        refiner = Refiner(self, state, n, ctx.tokens[-1], block, outcomes, drafts, mode, passes=plain,
+                          confidence=confidence)
         refiner.run(plan.refreshes, self.costs)
         return refiner
 

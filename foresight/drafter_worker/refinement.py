@@ -62,9 +62,12 @@ class Refiner:
     """Refines the B outcome drafts of one foresight round; `drafts`, `fixed` and the counts are per row."""
 
     def __init__(self, drafter: "ForesightDrafter", state, n: int, y0: int, block: list[int],
-                 outcomes: list[tuple[int, int]], drafts: torch.Tensor, mode: str, passes: int = 0):
+                 outcomes: list[tuple[int, int]], drafts: torch.Tensor, mode: str, passes: int = 0,
+                 confidence: torch.Tensor | None = None):
         """drafts [B, m]: the rows' current drafts (after J0 and `passes` plain passes); state: the
-        drafter's per-request state (true contexts of the draft model, adapter and decoder)."""
+        drafter's per-request state (true contexts of the draft model, adapter and decoder); confidence
+        [B, m]: the draft model's top-1 probability of each draft (the verify-length controller's
+        evidence), dropped for a row once refinement edits it."""
         if mode not in MODES:
             raise ValueError(f"refinement must be one of {', '.join(MODES)} (got {mode!r})")
         self.drafter, self.state, self.n, self.y0, self.block = drafter, state, n, y0, list(block)
@@ -75,6 +78,8 @@ class Refiner:
         self.states: list[torch.Tensor | None] = [None] * b  # refreshed states [k+2+m, n_src*H]
         self.passes = [passes] * b  # Jacobi passes after J0 spent on the row
         self.refreshes = [0] * b
+        rows = confidence.tolist() if confidence is not None else [None] * b
+        self.confidence: list[list[float] | None] = rows
 
     @property
     def width(self) -> int:
@@ -119,6 +124,7 @@ class Refiner:
         for j, (b, head) in enumerate(zip(rows, heads)):
             self.states[b] = states[j, :len(head) + m]
             self.refreshes[b] += 1
+            self.confidence[b] = None  # the refined tokens are no longer the draft model's top-1
             self.replace(b, guesses[j, len(head) - 1:len(head) - 1 + m])
 
     def replace(self, b: int, guess: torch.Tensor) -> None:

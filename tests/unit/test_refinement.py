@@ -232,6 +232,8 @@ def test_mode_none_is_the_old_drafting(target, sequences):
         assert [(e.accepted, e.bonus, e.tokens) for e in entries] == expect, kw
         assert all(e.passes == 2 and e.refreshes == 0 for e in entries)
         assert drafter.adapter.predict_calls == 1  # no refresh ran
+        # Unrefined entries carry the draft model's confidence for the verify-length controller.
+        assert all(len(e.confidence) == len(e.tokens) and all(0 < c <= 1 for c in e.confidence) for e in entries)
 
 
 def test_foresee_refines_and_counts_what_it_spent(target, sequences):
@@ -243,6 +245,7 @@ def test_foresee_refines_and_counts_what_it_spent(target, sequences):
     assert drafter.adapter.predict_calls >= 2  # the foresight prediction + at least one refresh
     for e in entries:  # J - R = 1 plain pass, then up to 2 x (refresh, pass) while the row has open positions
         assert 1 <= e.refreshes <= 2 and 1 <= e.passes <= 1 + e.refreshes and len(e.tokens) == M
+        assert e.confidence == ()  # refined tokens are not the draft model's: no confidence to report
     assert drafter.costs.refresh_s > 0 and drafter.costs.pass_s > 0 and drafter.costs.predict_s > 0
     # The realised outcome at temperature 0 comes first; perfect refreshes make its block the target's.
     seq, n = sequences[0], len(ctx.tokens) - 1
