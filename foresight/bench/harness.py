@@ -79,8 +79,8 @@ class ModeTally:
             "exposed_draft_ms_p90": _quantile(ms, 0.9) if mode != "ar" else None,
             "verify_ms_mean": 1e3 * statistics.fmean(self.verify_s) if self.verify_s else None,
             "outputs_match_ar": match,
-            "predrafted_passes_mean": self.passes / self.predrafted if self.predrafted else None,
-            "predrafted_refreshes_mean": self.refreshes / self.predrafted if self.predrafted else None,
+            "passes_mean": self.passes / self.predrafted if self.predrafted else None,
+            "refreshes_mean": self.refreshes / self.predrafted if self.predrafted else None,
         }
 
 
@@ -221,9 +221,7 @@ def refinement_section(runs: list[Run], tallies: dict, ar_outputs: list[list[int
         t = tallies[run.label]
         s = t.summary(run.mode, ar_outputs)
         out[run.refinement] = {k: s[k] for k in ("tau", "hit_rate", "tokens_per_s", "exposed_draft_ms_mean",
-                                                 "outputs_match_ar")}
-        out[run.refinement]["passes_mean"] = t.passes / t.predrafted if t.predrafted else None
-        out[run.refinement]["refreshes_mean"] = t.refreshes / t.predrafted if t.predrafted else None
+                                                 "outputs_match_ar", "passes_mean", "refreshes_mean")}
     return out
 
 

@@ -10,7 +10,8 @@ import pytest
 pytestmark = pytest.mark.integration
 
 MODE_FIELDS = {"tokens_per_s", "output_tokens", "wall_s", "rounds", "tau", "hit_rate", "exposed_draft_ms_mean",
-               "exposed_draft_ms_p50", "exposed_draft_ms_p90", "verify_ms_mean", "outputs_match_ar"}
+               "exposed_draft_ms_p50", "exposed_draft_ms_p90", "verify_ms_mean", "outputs_match_ar",
+               "verified_drafts_mean", "passes_mean", "refreshes_mean"}
 
 
 def test_bench_report(tmp_path):
@@ -35,6 +36,7 @@ def test_bench_report(tmp_path):
         assert report["modes"][mode]["outputs_match_ar"] == 1.0  # greedy + exact verification is lossless
         assert report["modes"][mode]["output_tokens"] > 0
     assert report["modes"]["ar"]["tau"] == 1.0 and report["modes"]["ar"]["exposed_draft_ms_mean"] is None
+    assert report["modes"]["ar"]["verified_drafts_mean"] == 0.0 and report["modes"]["sync"]["passes_mean"] is None
     assert report["modes"]["sync"]["exposed_draft_ms_mean"] is not None
     assert 0.0 <= report["modes"]["pipelined"]["hit_rate"] <= 1.0 and report["modes"]["sync"]["hit_rate"] is None
     assert all(report["ratios"][r] > 0 for r in ("sync_vs_ar", "pipelined_vs_sync", "pipelined_vs_ar"))
