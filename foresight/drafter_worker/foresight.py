@@ -145,7 +145,7 @@ class ForesightDrafter(JetSpecProposer):
         self._draft_sources = [("adapter", adapter_idx.index(i)) if i in adapter_idx
                                else ("decoder", decoder_states.index(i)) for i in model.config.target_layers]
         self._hidden = hidden
-        self.costs = StepCosts()  # measured per-row costs of prediction, passes and refreshes (EMA)
+        self.costs = StepCosts()  # measured costs of the prediction and of batched passes and refreshes
         self.stats = ForesightStats()
 
     # ------------------------------------------------------------------ contexts
@@ -313,7 +313,7 @@ class ForesightDrafter(JetSpecProposer):
         outcomes, plain = [(o.k, o.a) for o in picked], plan.passes - plan.refreshes
         t0 = time.perf_counter()
         drafts, confidence = self.draft_outcomes(state, n, states, outcomes, noise, plain, with_confidence=True)
-        self.costs.update("pass_s", (time.perf_counter() - t0) / ((1 + plain) * len(picked)))
+        self.costs.passes.observe(len(picked), (time.perf_counter() - t0) / (1 + plain))
         refiner = Refiner(self, state, n, ctx.tokens[-1], block, outcomes, drafts, mode, passes=plain,
                           confidence=confidence)
         refiner.run(plan.refreshes, self.costs)

@@ -90,8 +90,8 @@ class Refiner:
         return [b for b, f in enumerate(self.fixed) if f < self.width]
 
     def run(self, refreshes: int, costs: StepCosts | None = None) -> None:
-        """`refreshes` times: refresh the open rows, then one pass over those still open. Measured
-        per-row costs go into `costs`."""
+        """`refreshes` times: refresh the open rows, then one pass over those still open. The measured
+        batch costs go into `costs`."""
         if refreshes and self.mode == "none":
             raise ValueError("refinement 'none' runs no context refresh")
         for _ in range(refreshes):
@@ -105,9 +105,9 @@ class Refiner:
             if tail:
                 self.redraft(tail)
             if costs is not None:
-                costs.update("refresh_s", (t1 - t0) / len(rows))
+                costs.refreshes.observe(len(rows), t1 - t0)
                 if tail:
-                    costs.update("pass_s", (time.perf_counter() - t1) / len(tail))
+                    costs.passes.observe(len(tail), time.perf_counter() - t1)
 
     @torch.inference_mode()
     def refresh(self, rows: list[int]) -> None:

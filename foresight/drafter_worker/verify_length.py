@@ -74,10 +74,11 @@ def fit_line(points: dict[int, float]) -> tuple[float, float]:
 
 
 @dataclass(slots=True)
-class VerifyCost:
-    """The target's verify seconds per block length (number of drafts sent)."""
+class CostBySize:
+    """Seconds of one piece of work by its size: the target's verify by block length (drafts sent), the
+    drafter's batched pass or refresh by rows in the batch (`budget.StepCosts`)."""
 
-    seconds: dict[int, float] = field(default_factory=dict)  # length -> EMA of verify seconds
+    seconds: dict[int, float] = field(default_factory=dict)  # size -> EMA of seconds
     counts: dict[int, int] = field(default_factory=dict)  # length -> measurements
 
     def observe(self, length: int, seconds: float) -> None:
@@ -169,7 +170,7 @@ class VerifyLengthController:
         """`min_rounds`: verified blocks to see before truncating; `explore_every`: every such round (by the
         request's round number) sends the full block, so long blocks keep being measured; `allow_skip`: L = 0
         (no drafts: a plain decoding step) may win once its cost is measured (see `choose`)."""
-        self.cost = VerifyCost()
+        self.cost = CostBySize()
         self.acceptance = Acceptance()
         self.min_rounds = min_rounds
         self.explore_every = explore_every

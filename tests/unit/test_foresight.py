@@ -119,7 +119,9 @@ def test_plan_uses_the_caps_and_the_measured_costs(target, sequences):
     drafter = make_drafter(target, sequences, cache_size=6, foresight_passes=3, refreshes=2)
     assert (drafter.plan(0.0, "anchor").outcomes, drafter.plan(0.0, "anchor").passes) == (6, 3)
     assert drafter.plan(0.0, "anchor").refreshes == 2 and drafter.plan(0.0, "none").refreshes == 0
-    drafter.costs.predict_s, drafter.costs.pass_s = 0.003, 0.001
+    drafter.costs.predict_s = 0.003
+    for rows in range(1, 7):  # one batched pass: 1 ms per row
+        drafter.costs.passes.observe(rows, 0.001 * rows)
     assert drafter.plan(0.010, "none").outcomes == 6 and drafter.plan(0.010, "none").passes == 0  # (10-3)/1 ms
     assert drafter.plan(0.001, "anchor").outcomes == 1  # never fewer than one
     drafter.use_budget = False

@@ -61,39 +61,64 @@ def target_guesses(target, tokens: list[int]) -> list[int]:
 # ---------------------------------------------------------------- the plan (Eq. 3)
 
 
+def costs_of(predict: float, per_row_pass: float, per_row_refresh: float | None = None, fixed: float = 0.0,
+             rows: int = 6) -> StepCosts:
+    """Costs measured at batch sizes 1..rows: pass(B) = fixed + B * per_row_pass (refresh likewise)."""
+    costs = StepCosts(predict_s=predict)
+    for n in range(1, rows + 1):
+        costs.passes.observe(n, fixed + n * per_row_pass)
+        if per_row_refresh is not None:
+            costs.refreshes.observe(n, fixed + n * per_row_refresh)
+    return costs
+
+
 def test_plan_without_budget_or_measurement_is_the_caps():
     assert plan_round(StepCosts(), 0.05, 4, 3, 2) == Plan(4, 3, 2)  # nothing measured yet
-    assert plan_round(StepCosts(0.001, 0.001, 0.002), 0.0, 4, 3, 9) == Plan(4, 3, 3)  # no budget; R <= J
+    assert plan_round(costs_of(0.001, 0.001, 0.002), 0.0, 4, 3, 9) == Plan(4, 3, 3)  # no budget; R <= J
     with pytest.raises(ValueError):
         plan_round(StepCosts(), 0.0, 0, 1, 1)
 
 
+@pytest.mark.parametrize("fixed", [0.0, 0.003])
 @pytest.mark.parametrize("budget_ms", [0.5, 3, 7, 10, 13, 20, 40, 1000])
-def test_plan_fits_the_budget_and_respects_the_caps(budget_ms):
-    costs = StepCosts(predict_s=0.002, pass_s=0.001, refresh_s=0.0015)
+def test_plan_fits_the_budget_and_respects_the_caps(budget_ms, fixed):
+    costs = costs_of(0.002, 0.001, 0.0015, fixed)
     plan = plan_round(costs, budget_ms / 1e3, 4, 3, 2)
     assert 1 <= plan.outcomes <= 4 and 0 <= plan.refreshes <= min(plan.passes, 2) and plan.passes <= 3
-    work = costs.predict_s + plan.outcomes * ((1 + plan.passes) * costs.pass_s + plan.refreshes * costs.refresh_s)
+    b = plan.outcomes
+    work = costs.predict_s + (1 + plan.passes) * costs.pass_s(b) + plan.refreshes * costs.refresh_s(b)
     if plan.outcomes > 1 or plan.passes:
         assert work <= budget_ms / 1e3 + 1e-12
-    # Maximal: one more pass (with or without a refresh) would not fit or would break a cap.
-    more = work + plan.outcomes * costs.pass_s
-    assert plan.passes == 3 or more > budget_ms / 1e3
+    # Maximal: one more pass (with or without a refresh) would not fit or would break a cap, and so
+    # would one more outcome with the same passes.
+    assert plan.passes == 3 or work + costs.pass_s(b) > budget_ms / 1e3
+    if b < 4:
+        assert costs.predict_s + costs.pass_s(b + 1) > budget_ms / 1e3
 
 
 def test_plan_puts_outcomes_first_then_refresh_pass_pairs():
-    costs = StepCosts(predict_s=0.002, pass_s=0.001, refresh_s=0.002)
+    costs = costs_of(0.002, 0.001, 0.002)
     assert plan_round(costs, 0.004, 4, 3, 3) == Plan(2, 0, 0)  # (4-2)/1 ms: two outcomes with J0
     assert plan_round(costs, 0.006, 4, 3, 3) == Plan(4, 0, 0)
     assert plan_round(costs, 0.018, 4, 3, 3) == Plan(4, 1, 1)  # 2 + 4 (J0) + 12 (refresh + pass)
     assert plan_round(costs, 0.018, 4, 3, 0) == Plan(4, 3, 0)  # no refreshes allowed: plain passes
     assert plan_round(costs, 0.030, 4, 3, 3) == Plan(4, 2, 2)
     assert plan_round(costs, 0.034, 4, 3, 3) == Plan(4, 3, 2)  # a third pair does not fit, a plain pass does
-    assert plan_round(StepCosts(0.002, 0.001, 0.0), 0.018, 4, 3, 3) == Plan(4, 1, 1)  # refresh ~ predict
+    # No refresh measured yet: assumed to cost one prediction (2 ms for the batch), so pairs cost 6 ms.
+    assert plan_round(costs_of(0.002, 0.001), 0.018, 4, 3, 3) == Plan(4, 2, 2)
+
+
+def test_plan_with_flat_batch_costs_drafts_all_outcomes_and_spends_the_rest_on_passes():
+    """Where a batch of rows costs what one row does (weight reads dominate), a per-row model would
+    draft one outcome; measured by batch size, the plan drafts the cap and still makes room for passes."""
+    costs = costs_of(0.080, 0.0, fixed=0.023, rows=1)  # only B = 1 measured: 23 ms
+    costs.passes.observe(4, 0.025)
+    assert plan_round(costs, 0.125, 4, 1, 0) == Plan(4, 0, 0)  # 80 + 25 = 105; a pass more would not fit
+    assert plan_round(costs, 0.135, 4, 1, 0) == Plan(4, 1, 0)
 
 
 def test_a_passed_up_refresh_pair_falls_back_to_a_plain_pass():
-    costs = StepCosts(predict_s=0.001, pass_s=0.001, refresh_s=0.01)
+    costs = costs_of(0.001, 0.001, 0.01)
     assert plan_round(costs, 0.004, 1, 3, 3) == Plan(1, 2, 0)
 
 
@@ -246,7 +271,7 @@ def test_foresee_refines_and_counts_what_it_spent(target, sequences):
     for e in entries:  # J - R = 1 plain pass, then up to 2 x (refresh, pass) while the row has open positions
         assert 1 <= e.refreshes <= 2 and 1 <= e.passes <= 1 + e.refreshes and len(e.tokens) == M
         assert e.confidence == ()  # refined tokens are not the draft model's: no confidence to report
-    assert drafter.costs.refresh_s > 0 and drafter.costs.pass_s > 0 and drafter.costs.predict_s > 0
+    assert drafter.costs.refresh_s(3) > 0 and drafter.costs.pass_s(3) > 0 and drafter.costs.predict_s > 0
     # The realised outcome at temperature 0 comes first; perfect refreshes make its block the target's.
     seq, n = sequences[0], len(ctx.tokens) - 1
     k, a = greedy_outcome(target, ctx.tokens, block)

@@ -13,7 +13,7 @@ from foresight.drafter_worker.proposer import DraftContext
 from foresight.drafter_worker.verify_length import (
     DRAFT_MARGIN,
     Acceptance,
-    VerifyCost,
+    CostBySize,
     VerifyLengthController,
     best_length,
     expected_accepted,
@@ -37,7 +37,7 @@ def test_expected_accepted_and_line_fit():
 
 
 def test_cost_model_interpolates_and_tracks():
-    cost = VerifyCost()
+    cost = CostBySize()
     for _ in range(20):
         cost.observe(1, 1.0)
         cost.observe(7, 2.2)
@@ -48,7 +48,7 @@ def test_cost_model_interpolates_and_tracks():
     for _ in range(30):  # the context grows: long verifies get dearer
         cost.observe(7, 3.0)
     assert cost.costs(7)[7] == pytest.approx(3.0, rel=0.01)
-    assert VerifyCost(seconds={3: 2.0}, counts={3: 1}).costs(5) == pytest.approx([2.0] * 6)  # one length: flat
+    assert CostBySize(seconds={3: 2.0}, counts={3: 1}).costs(5) == pytest.approx([2.0] * 6)  # one length: flat
 
 
 def test_confidence_calibration_converges():
@@ -144,7 +144,7 @@ def test_jetspec_proposer_reports_confidence_and_drops_absorbed_states():
     assert ctx.drafter_state.positions == 10 == len(ctx.tokens) - 1 and ctx.hidden == []
 
 
-class SteepCost(VerifyCost):
+class SteepCost(CostBySize):
     """Verify cost as on CPU in fp32, whatever the tiny model measures: truncation pays off."""
 
     def costs(self, n: int) -> list[float]:
