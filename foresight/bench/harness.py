@@ -179,6 +179,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     try:
         runner = RequestRunner(engine, tokenizer, "bench", engine.target_info()["max_model_len"])
         drafter = engine.drafter_info().get("proposer", cfg.drafter)  # read before stop() forgets it
+        decoder_layers = engine.drafter_info().get("decoder_layers")  # the depth in use, resolved by the drafter
         if any(r.mode == "pipelined" for r in runs) and not engine.drafter_info().get("supports_foresight"):
             raise ConfigError(f"modes: pipelined needs a drafter that supports foresight; {drafter!r} does not")
         requests = build_requests(runner, items, args)
@@ -202,7 +203,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
                      "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max, "refinement": cfg.refinement,
                      "draft_passes": cfg.draft_passes, "draft_refreshes": cfg.draft_refreshes,
                      "foresight_budget": cfg.foresight_budget, "verify_length": cfg.verify_length,
-                     "cache_size": cfg.cache_size, "decoder_layers": cfg.decoder_layers, "seed": args.seed},
+                     "cache_size": cfg.cache_size, "decoder_layers": decoder_layers, "seed": args.seed},
         "modes": summary,
         "ratios": ratios(summary),
     }

@@ -93,7 +93,8 @@ class DrafterWorker:
     def run(self) -> None:
         self.send_to_api.send(WorkerReady(worker="drafter", pid=os.getpid(), info={
             "proposer": self.proposer.name, "hidden_layers": self.proposer.hidden_layers,
-            "supports_foresight": self.proposer.supports_foresight}))
+            "supports_foresight": self.proposer.supports_foresight,
+            "decoder_layers": getattr(getattr(self.proposer, "decoder", None), "n_layers", None)}))
         while not self.stopping:
             msg = self.recv_from_target.recv(timeout_ms=0 if self.jobs else IDLE_POLL_MS)
             if msg is not None:

@@ -31,6 +31,7 @@ def test_bench_report(tmp_path):
     assert set(report) >= {"model", "drafter", "machine", "settings", "modes", "ratios", "nucleus", "refinement"}
     assert set(report["modes"]) == {"ar", "sync", "pipelined"}
     assert report["drafter"] == "jetspec++"  # the shipped checkpoint, with its adapter
+    assert report["settings"]["decoder_layers"] == 15  # the shipped adapter's recommendation, as resolved
     for mode in ("ar", "sync", "pipelined"):
         assert set(report["modes"][mode]) == MODE_FIELDS
         assert report["modes"][mode]["outputs_match_ar"] == 1.0  # greedy + exact verification is lossless
