@@ -45,8 +45,9 @@ def greedy_reference(runner: TargetRunner, prompt: list[int], max_tokens: int, e
 
 
 def speculate(runner: TargetRunner, proposer, prompt: list[int], max_tokens: int, temperature: float,
-              block_size: int, seed: int, eos: list[int]) -> dict:
-    """One request through the speculative round loop (sync mode)."""
+              block_size: int, seed: int, eos: list[int], on_verified=None) -> dict:
+    """One request through the speculative round loop (sync mode). `on_verified(ctx, draft, result,
+    verdict)` is called after each verification of a non-empty draft, before the drafter absorbs it."""
     gen = torch.Generator(device=runner.device).manual_seed(seed)
     cache = runner.new_cache()
     res = runner.prefill(cache, prompt)
@@ -65,6 +66,8 @@ def speculate(runner: TargetRunner, proposer, prompt: list[int], max_tokens: int
         runner.rollback(cache, len(draft) - verdict.accepted, result)
         verify_s += time.perf_counter() - t1
         draft_s += t1 - t0
+        if on_verified is not None and draft:
+            on_verified(ctx, draft, result, verdict)
         ctx.last_block = draft
         hidden = result.hidden[:verdict.accepted + 1] if result.hidden is not None else None
         ctx.absorb(verdict.accepted, verdict.token, hidden)

@@ -1,7 +1,7 @@
 """Offline replay of foresight outcome selection (the shape of JetSpec++ Tables 10-11).
 
-Greedy speculative decoding with the real target, one request at a time (the sync round of
-`eval_drafter.speculate`, T = 0). Before each verification the foresight drafter predicts the block's
+Greedy speculative decoding with the real target, one request at a time (`eval_drafter.speculate`,
+T = 0). Before each verification the foresight drafter predicts the block's
 states and selects outcomes exactly as it does in pipelined serving (`ForesightDrafter.select`: the
 decoder's greedy path first, then the Eq. 6 scores); after it, the realised outcome (k, a) is looked up
 among the first B selected, for every B asked. This isolates what the adapter and the decoder know from
@@ -22,47 +22,31 @@ from pathlib import Path
 
 import torch
 
-from ..drafter_worker.proposer import DraftContext
 from ..target_worker.runner import TargetRunner
-from ..target_worker.verification import verify
 from ..target_worker.worker import eos_ids
-from .eval_drafter import _ints
+from .eval_drafter import _ints, speculate
 
 
 def replay(runner: TargetRunner, drafter, prompt: list[int], max_tokens: int, block_size: int,
            eos: list[int], cache_sizes: list[int]) -> dict:
     """One greedy request; per round the realised outcome's place among the selected outcomes."""
-    gen = torch.Generator(device=runner.device).manual_seed(0)
-    cache = runner.new_cache()
-    res = runner.prefill(cache, prompt)
-    out = [int(res.logits[-1].argmax())]
-    ctx = DraftContext(req_id="eval", tokens=list(prompt), seed=0, hidden=[res.hidden])
-    ctx.absorb(0, out[0], None)
     hits = {b: 0 for b in cache_sizes}
-    rounds, committed, anchor_agree, predict_s = 0, 0, 0, []
-    while len(out) < max_tokens and out[-1] not in eos:
-        n = min(block_size - 1, max_tokens - len(out) - 1)
-        draft = drafter.propose(ctx, n)[:n] if n > 0 else []
-        if not draft:
-            break
+    tally = {"rounds": 0, "committed": 0, "anchor_agree": 0, "predict_s": []}
+
+    def score(ctx, draft, result, verdict) -> None:
         t0 = time.perf_counter()
         _, logits, _ = drafter.predict(ctx, draft)  # [gamma+1, vocab]
         selected = drafter.select(logits, draft, max(cache_sizes), 0.0)
-        predict_s.append(time.perf_counter() - t0)
-        result = runner.verify(cache, ctx.tokens[-1], draft)
-        verdict = verify(result.logits, draft, temperature=0.0, generator=gen)
-        runner.rollback(cache, len(draft) - verdict.accepted, result)
+        tally["predict_s"].append(time.perf_counter() - t0)
         realised = [i for i, o in enumerate(selected) if (o.k, o.a) == (verdict.accepted, verdict.token)]
         for b in cache_sizes:
             hits[b] += bool(realised and realised[0] < b)
-        anchor_agree += int(logits[0].argmax()) == int(result.logits[0].argmax())
-        rounds += 1
-        committed += verdict.accepted + 1
-        ctx.last_block = draft
-        ctx.absorb(verdict.accepted, verdict.token, result.hidden[:verdict.accepted + 1])
-        out.extend(draft[:verdict.accepted] + [verdict.token])
-    return {"rounds": rounds, "committed": committed, "hits": hits, "anchor_agree": anchor_agree,
-            "predict_s": predict_s}
+        tally["anchor_agree"] += int(logits[0].argmax()) == int(result.logits[0].argmax())
+        tally["rounds"] += 1
+        tally["committed"] += verdict.accepted + 1
+
+    speculate(runner, drafter, prompt, max_tokens, 0.0, block_size, 0, eos, on_verified=score)
+    return {**tally, "hits": hits}
 
 
 def run_eval_foresight(args: argparse.Namespace) -> dict:
