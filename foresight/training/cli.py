@@ -25,10 +25,10 @@ COMMANDS = ("train", "eval-drafter", "eval-foresight")
 # Recipes: the CPU one runs in the background for hours and resumes; the GPU one labels more (with the
 # target's own answers) and trains bigger batches in one short run.
 RECIPES = {
-    "cpu": dict(tokens=300_000, regen=0, steps=6000, batch_seqs=4, anchors=16, label_batch=1, ckpt_every=200,
-                label_dtype="float32"),
-    "cuda": dict(tokens=3_000_000, regen=4000, steps=20000, batch_seqs=32, anchors=16, label_batch=16,
-                 ckpt_every=1000, label_dtype="bfloat16"),
+    "cpu": dict(tokens=300_000, regen=0, regen_batch=0, steps=6000, batch_seqs=4, anchors=16, label_batch=1,
+                ckpt_every=200, label_dtype="float32"),
+    "cuda": dict(tokens=3_000_000, regen=2000, regen_batch=256, steps=20000, batch_seqs=64, anchors=16,
+                 label_batch=32, ckpt_every=2000, label_dtype="float32"),
 }
 
 
@@ -44,6 +44,7 @@ def add_train_args(sub) -> None:
     d.add_argument("--phase", default="all", choices=("all", "label", "train"))
     d.add_argument("--tokens", type=int, default=None, help="teacher-forced tokens to label (recipe default)")
     d.add_argument("--regen", type=int, default=None, help="prompts the target answers itself (recipe default)")
+    d.add_argument("--regen-batch", type=int, default=None, help="prompts per generate call (recipe default)")
     d.add_argument("--steps", type=int, default=None)
     d.add_argument("--batch-seqs", type=int, default=None)
     d.add_argument("--anchors", type=int, default=None, help="blocks per sequence per step")
@@ -53,6 +54,8 @@ def add_train_args(sub) -> None:
     d.add_argument("--vocab-subset", type=int, default=14500, help="0 = full vocabulary")
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--ckpt-every", type=int, default=None)
+    d.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds of training: after a few timed steps, --steps is cut to what fits (0 = no limit)")
     d.add_argument("--label-batch", type=int, default=None)
     d.add_argument("--max-len", type=int, default=1024)
     d.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
@@ -185,7 +188,8 @@ def train_drafter(args: argparse.Namespace) -> int:
         data.save_meta()
         print(f"[train] {len(convs)} stdlib conversations ({dropped} dropped for overlap with HumanEval); "
               f"data dir {data_dir}", file=sys.stderr)
-        settings = LabelSettings(layers=layers, topk=topk, max_len=args.max_len, batch_size=pick("label_batch"))
+        settings = LabelSettings(layers=layers, topk=topk, max_len=args.max_len, batch_size=pick("label_batch"),
+                                 regen_batch=pick("regen_batch"))
         from ..target_worker.worker import eos_ids
 
         label_all(Labeller(target, settings), data, convs, lambda m, g: chat_ids(tokenizer, m, g), pick("tokens"),
@@ -198,7 +202,7 @@ def train_drafter(args: argparse.Namespace) -> int:
         s = TrainSettings(**{k: v for k, v in dict(
             steps=pick("steps"), batch_seqs=pick("batch_seqs"), anchors=pick("anchors"), block_size=args.block_size,
             num_layers=args.layers, vocab_subset=args.vocab_subset, lr=args.lr, ckpt_every=pick("ckpt_every"),
-            seed=args.seed, device=args.device).items() if k in names})
+            seed=args.seed, device=args.device, time_budget_s=args.time_budget).items() if k in names})
         target = target.float()  # shared embedding / LM head in fp32 for training
         t0 = time.perf_counter()
         report = train(target, LabelledData(data_dir), Path(args.out), s, resume=args.resume)

@@ -34,7 +34,8 @@ class LabelSettings:
     max_len: int = 1024  # longer sequences are truncated
     min_len: int = 24  # shorter ones are skipped (need at least one block after the anchor)
     shard_tokens: int = 16384
-    batch_size: int = 1
+    batch_size: int = 1  # sequences per teacher-forced pass
+    regen_batch: int = 0  # prompts per generate call (0: batch_size); on a GPU generation wants far more
     regen_max_new: int = 256
 
 
@@ -133,9 +134,10 @@ class DataDir:
 
 
 def label_stream(labeller: Labeller, data: DataDir, name: str, items: list, to_ids: Callable[[list, int], list[list[int]]],
-                 max_tokens: int | None, max_items: int | None = None) -> None:
+                 max_tokens: int | None, max_items: int | None = None, items_per_call: int = 0) -> None:
     """Label `items` in order (resuming after meta's items_done) until the stream holds `max_tokens`
-    tokens or `max_items` items. `to_ids(batch, index of its first item)` gives their token sequences."""
+    tokens or `max_items` items. `to_ids(batch, index of its first item)` gives the token sequences of
+    `items_per_call` items (default: the labelling batch); they are labelled a batch at a time."""
     st = data.stream(name)
     limit = len(items) if max_items is None else min(len(items), max_items)
     bar = tqdm(total=max_tokens, initial=st["tokens"], unit="tok", desc=f"label {name}", dynamic_ncols=True)
@@ -148,13 +150,13 @@ def label_stream(labeller: Labeller, data: DataDir, name: str, items: list, to_i
     pending_tokens = 0
     i = st["items_done"]
     while i < limit and st["tokens"] + pending_tokens < max_tokens:
-        batch = items[i:min(i + s.batch_size, limit)]
+        batch = items[i:min(i + (items_per_call or s.batch_size), limit)]
         seqs = [q[:s.max_len] for q in to_ids(batch, i)]
         i += len(batch)
         seqs = [q for q in seqs if len(q) >= s.min_len]
         if seqs:
-            records = labeller.label(seqs)
-            pending += records
+            for at in range(0, len(seqs), s.batch_size):
+                pending += labeller.label(seqs[at:at + s.batch_size])
             added = sum(len(q) for q in seqs)
             pending_tokens += added
             bar.update(added)
@@ -181,11 +183,13 @@ def label_all(labeller: Labeller, data: DataDir, convs: list[Conversation], enco
     prompts = [c.messages[:-1] for c in convs if c.kind == "implement"]
     prompts = prompts[::-1]  # from the other end of the shuffled list: mostly text the text stream did not use
 
+    per_call = labeller.s.regen_batch or labeller.s.batch_size
+
     def regen(batch: list, first: int) -> list[list[int]]:
-        sample = (first // labeller.s.batch_size) % 2 == 1  # alternate greedy and sampled batches
+        sample = (first // per_call) % 2 == 1  # alternate greedy and sampled batches
         return labeller.generate([encode(m, True) for m in batch], sample, seed + first, eos)
 
-    label_stream(labeller, data, "regen", prompts, regen, max_tokens=None, max_items=regen_items)
+    label_stream(labeller, data, "regen", prompts, regen, max_tokens=None, max_items=regen_items, items_per_call=per_call)
 
 
 def iter_shards(path: Path) -> Iterator[Path]:

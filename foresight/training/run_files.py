@@ -16,7 +16,7 @@ MAX_HISTORY = 500  # history rows kept in the report (evenly thinned)
 
 
 # Settings a resumed run takes from the command line: they change neither the batches nor the updates.
-RESETTABLE = ("steps", "device", "ckpt_every", "decoder_layers")
+RESETTABLE = ("steps", "device", "ckpt_every", "decoder_layers", "time_budget_s")
 
 
 def open_run(out: Path, resume: bool, settings):

@@ -24,6 +24,8 @@ from .dataset import BlockBatch, LabelledData, choose_vocab_subset, sample_block
 from .run_files import STATE_FILE, open_run, save_state, tail_mean, write_report
 
 
+BUDGET_PROBE = 30  # steps timed (after the first, which compiles / warms up) to fit a time budget
+
 
 @dataclass(slots=True)
 class TrainSettings:
@@ -44,6 +46,7 @@ class TrainSettings:
     seed: int = 0
     device: str = "cpu"
     bf16: bool = True  # autocast matmuls to bf16 on CUDA (on CPU autocast bf16 measured 18x slower than fp32)
+    time_budget_s: float = 0.0  # > 0: after BUDGET_PROBE steps, cut `steps` to what fits (the schedule follows)
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
@@ -111,11 +114,12 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
     model.config.extra = {"train": asdict(s), "data": {"tokens": data.num_tokens, "sequences": len(data),
                                                       "path": str(data.path)}}
     bar = tqdm(total=s.steps, initial=step, unit="step", desc="train drafter", dynamic_ncols=True)
+    first, started = step, time.perf_counter()
     while step < s.steps:
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(s.seed * 1_000_003 + step)
         batch = sample_blocks(data, gen, s.batch_seqs, s.anchors, s.block_size, s.context_window, subset_index,
-                              s.position_decay).to(device)
+                              s.position_decay, device=device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
         loss, stats = kl_loss(model, batch, bf16)
@@ -124,6 +128,11 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         opt.step()
         step += 1
+        if step == first + 1:
+            probe_start = time.perf_counter()
+        if s.time_budget_s > 0 and step == first + 1 + BUDGET_PROBE:
+            now = time.perf_counter()
+            s.steps = steps_within_budget(s, step, (now - probe_start) / BUDGET_PROBE, now - started, bar)
         history.append({"step": step, "loss": loss.item(), **stats, "grad_norm": float(grad_norm),
                         "lr": opt.param_groups[0]["lr"], "s": time.perf_counter() - t0})
         bar.update(1)
@@ -134,6 +143,16 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
     if not history or history[-1]["step"] != step or not (out / "report.json").exists():
         save_all(model, opt, s, step, history, out)
     return json.loads((out / "report.json").read_text())
+
+
+def steps_within_budget(s: TrainSettings, step: int, per_step: float, elapsed: float, bar) -> int:
+    """The step count that ends within `s.time_budget_s` at the rate of the probe steps (never more than
+    `s.steps`, never fewer than done). Fixed once, early, so warmup and the cosine decay stay whole."""
+    fit = step + int((s.time_budget_s - elapsed) / per_step)
+    steps = max(step, min(s.steps, fit))
+    bar.total = steps
+    bar.write(f"[train] {per_step * 1e3:.0f} ms/step: {steps} steps fit the {s.time_budget_s:.0f} s budget")
+    return steps
 
 
 def _model_from_state(target, data: LabelledData, state: dict, s: TrainSettings) -> DraftModel:
