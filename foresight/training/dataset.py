@@ -64,7 +64,7 @@ class LabelledData:
     def resident(self, device: str | torch.device) -> "ResidentLabels":
         """Every shard concatenated into tensors on `device` (loaded once, then cached): the block sampler
         gathers from these. 300k tokens of 4 fp16 states of 576 take 1.4 GB."""
-        device = torch.device(device)
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report it
         if self._resident is None or self._resident.tokens.device != device:
             self._resident = None  # free the old copy before loading the new one
             parts = {key: [] for key in ("tokens", "hidden", "topk_ids", "topk_logp")}

@@ -157,6 +157,20 @@ def test_block_sampling(data_dir):
     assert torch.equal(again.tokens, batch.tokens)  # seeded
 
 
+def test_resident_labels_are_loaded_once_per_device(data_dir):
+    """The sampler's resident copy: sequences at their offsets, and loaded once per device whatever object
+    names it (on CUDA, 'cuda' vs the tensors' 'cuda:0' once caused a reload per step: 40x slower training;
+    only a GPU run can exercise that spelling)."""
+    data = LabelledData(data_dir)
+    res = data.resident("cpu")
+    assert data.resident(torch.device("cpu")) is res
+    assert res.hidden.shape[0] == res.tokens.shape[0] == data.num_tokens
+    for i in (0, len(data) - 1):
+        start, n = int(res.starts[i]), data.index[i][2]
+        assert torch.equal(res.tokens[start:start + n].long(), data.seq_tokens(i))
+        assert torch.equal(res.hidden[start:start + n], data.read(i, "hidden", 0, n))
+
+
 def test_vocab_subset(data_dir):
     data = LabelledData(data_dir)
     subset = choose_vocab_subset(data, VOCAB, 40)
