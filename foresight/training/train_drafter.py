@@ -165,6 +165,7 @@ def _model_from_state(target, data: LabelledData, state: dict, s: TrainSettings)
 def save_all(model: DraftModel, opt, s: TrainSettings, step: int, history: list[dict], out: Path) -> None:
     """The checkpoint folder (fp16), the resumable state, and the report."""
     model.config.extra["steps_done"] = step
+    model.config.extra["train"] = asdict(s)  # as run: a time budget may have cut `steps`
     model.save(out)
     save_state(out, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
                      "settings": asdict(s), "config": model.config.to_dict(), "vocab_subset": model.vocab_subset.cpu()})

@@ -3,6 +3,7 @@ the loss going down, the schedule, resumable training, and the offline evaluatio
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from foresight.training.corpus import Conversation, Decontaminator, conversation
 from foresight.training.dataset import LabelledData, choose_vocab_subset, sample_blocks
 from foresight.training.eval_drafter import greedy_reference, speculate
 from foresight.training.labelling import DataDir, LabelSettings, Labeller, label_all
-from foresight.training.train_drafter import TrainSettings, build_model, kl_loss, lr_at, train
+from foresight.training.train_drafter import TrainSettings, build_model, kl_loss, lr_at, steps_within_budget, train
 from support.tiny_models import VOCAB, tiny_model
 
 torch.set_num_threads(1)
@@ -183,6 +184,15 @@ def test_lr_schedule():
     assert lr_at(0, s) == pytest.approx(1e-4)
     assert lr_at(10, s) == lr_at(74, s) == pytest.approx(1e-3)
     assert lr_at(87, s) < 1e-3 and lr_at(99, s) < 1e-5
+
+
+def test_time_budget_fixes_the_step_count():
+    bar = SimpleNamespace(total=None, write=lambda *_: None)
+    s = TrainSettings(steps=1000, time_budget_s=10.0)
+    # 31 steps done in 3.1 s at 0.1 s/step: 6.9 s left fit 69 more
+    assert steps_within_budget(s, 31, 0.1, 3.1, bar) == 100 and bar.total == 100
+    assert steps_within_budget(s, 31, 0.001, 3.1, bar) == 1000  # never more than asked for
+    assert steps_within_budget(s, 31, 0.1, 12.0, bar) == 31  # over budget already: stop now
 
 
 def test_training_steps_lower_the_loss(data_dir, target):
