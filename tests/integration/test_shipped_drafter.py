@@ -18,9 +18,10 @@ from support.inprocess import InProcessEngine
 
 pytestmark = pytest.mark.integration
 
-# Measured: tau 1.4-1.6 at block 8 on HumanEval prompts (docs/benchmark.md); the floor leaves room for
-# prompt-to-prompt spread while still failing for an untrained drafter (tau ~1.0-1.1).
-TAU_FLOOR = 1.25
+# Measured: mean tau 2.39 on these 3 prompts at block 8 (2.0-3.2 per prompt, two runs; 2.2-2.9 at blocks
+# 8-32 on 5 prompts offline, docs/benchmark.md). The floor leaves room for that spread while failing for
+# the draft model shipped before (tau 1.5-1.6) and an untrained one (~1.0-1.1).
+TAU_FLOOR = 1.8
 N_PROMPTS = 3
 MAX_TOKENS = 64
 
