@@ -1,4 +1,4 @@
-"""The hidden-to-hidden adapter of foresight drafting (JetSpec++ section 4.2, DESIGN section 4).
+"""The hidden-to-hidden adapter of foresight drafting (JetSpec++ section 4.2; docs/architecture.md).
 
 In one parallel pass it predicts the target's hidden states at `target_indices` (hidden-state index i =
 raw output of decoder layer i-1, the residual stream, NOT normed; default for a 30-layer target 3, 15, 27)

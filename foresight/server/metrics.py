@@ -1,6 +1,6 @@
 """Prometheus metrics of the api process (the only process with a registry).
 
-Every metric carries the prefix `foresight_` and the label `model_name` (DESIGN §7); the workers report
+Every metric carries the prefix `foresight_` and the label `model_name` (listed in docs/deploy.md); the workers report
 their numbers to the api (`RoundStats` inside `TokenOutput`) and the api records them here.
 
 Label children that are known in advance (model, finish reasons, workers) are created at start so every

@@ -1,4 +1,4 @@
-"""Training the hidden-to-hidden adapter (JetSpec++ section 4.2, DESIGN sections 4-5).
+"""Training the hidden-to-hidden adapter (JetSpec++ section 4.2; docs/architecture.md).
 
 A batch: sequences of the labelled data (chosen in proportion to length), several blocks each. A block
 starts at an anchor n: its inputs are the TRUE tokens y_n..y_{n+gamma}, its context the TRUE target states of
