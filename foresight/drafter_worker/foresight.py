@@ -210,7 +210,10 @@ class ForesightDrafter(JetSpecProposer):
     def predict(self, ctx: DraftContext, block: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Steps 1-2 for the block under verification: adapter prediction [gamma+1, n_adapter*H],
         decoder logits [gamma+1, vocab] (float32) and the decoder's states [gamma+1, n_dec*H]."""
-        state = self._absorb(ctx)
+        return self._predict_block(self._absorb(ctx), ctx, block)
+
+    def _predict_block(self, state: _RequestState, ctx: DraftContext, block: list[int]):
+        """`predict` on a state that has absorbed ctx already."""
         n = len(ctx.tokens) - 1
         if state.scored != n:
             raise ValueError(f"foresight needs the true states of positions 0..{n - 1}, have {state.scored}")
@@ -255,17 +258,15 @@ class ForesightDrafter(JetSpecProposer):
 
     @torch.inference_mode()
     def draft_outcomes(self, state: _RequestState, n: int, states: torch.Tensor, outcomes: list[tuple[int, int]],
-                       noise: torch.Tensor, passes: int, with_confidence: bool = False):
+                       noise: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 4: one batch, row b continues outcome (k_b, a_b).
 
         states [gamma+1, n_src*H]: predicted draft-model states of positions n..n+gamma; noise [B, m-1].
         Row b's context is the true context + states[:k_b+1] (the newest `context_window` positions),
-        its anchor a_b at position n+k_b+1. Returns the last pass's drafts [B, m] (with_confidence: and
-        the draft model's top-1 probability of each [B, m])."""
+        its anchor a_b at position n+k_b+1. Returns the last pass's drafts [B, m] and the draft model's
+        top-1 probability of each [B, m]."""
         contexts = row_contexts(self.model, state.draft, n, states[None], [k + 1 for k, _ in outcomes])
         anchors = torch.tensor([a for _, a in outcomes], dtype=torch.long)
-        if not with_confidence:
-            return self.model.draft(contexts, anchors, noise, passes)[-1]
         ids, probs = self.model.draft_with_confidence(contexts, anchors, noise, passes)
         return ids[-1], probs[-1]
 
@@ -286,7 +287,7 @@ class ForesightDrafter(JetSpecProposer):
         state = self._absorb(ctx)
         if state.draft is None:
             return []
-        pred, logits, dec_states = self.predict(ctx, block)
+        pred, logits, dec_states = self._predict_block(state, ctx, block)
         # A fixed temperature given at construction wins; else the request's own (from StartDraft).
         temperature = self.temperature if self.temperature is not None else ctx.temperature
         t1 = time.perf_counter()
@@ -312,7 +313,7 @@ class ForesightDrafter(JetSpecProposer):
                              for o in picked])  # [B, max_drafts-1]
         outcomes, plain = [(o.k, o.a) for o in picked], plan.passes - plan.refreshes
         t0 = time.perf_counter()
-        drafts, confidence = self.draft_outcomes(state, n, states, outcomes, noise, plain, with_confidence=True)
+        drafts, confidence = self.draft_outcomes(state, n, states, outcomes, noise, plain)
         self.costs.passes.observe(len(picked), (time.perf_counter() - t0) / (1 + plain))
         refiner = Refiner(self, state, n, ctx.tokens[-1], block, outcomes, drafts, mode, passes=plain,
                           confidence=confidence)

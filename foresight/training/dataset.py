@@ -132,16 +132,7 @@ def sample_blocks(data: LabelledData, gen: torch.Generator, n_seqs: int, n_ancho
     if block < 3:
         raise ValueError("block must be >= 3")
     res = data.resident(device)
-    usable = (data.lengths - block).clamp(min=0)
-    if float(usable.sum()) <= 0:
-        raise ValueError(f"no labelled sequence is longer than the block ({block})")
-    seqs = torch.multinomial(usable, n_seqs, replacement=True, generator=gen)  # [S]
-    length = data.lengths[seqs].long()
-    last = length - block  # the last anchor whose block targets all exist
-    span = spread * block
-    lo = 1 + _randbelow(gen, (n_seqs,), (last - span + 2).clamp(min=2) - 1)  # [S]
-    hi = torch.minimum(lo + span, last + 1)
-    anchors = lo[:, None] + _randbelow(gen, (n_seqs, n_anchors), (hi - lo)[:, None])  # [S, A]
+    seqs, lo, anchors = sample_anchors(data, gen, n_seqs, n_anchors, block, spread)
     clean = torch.where(torch.rand(n_seqs, n_anchors, generator=gen) < 0.5, 0,
                         1 + _randbelow(gen, (n_seqs, n_anchors), torch.tensor(block - 2)))  # [S, A] m
     noise_at = _randbelow(gen, (n_seqs, n_anchors, block), anchors[..., None] + 1)  # [S, A, B] index <= n
@@ -161,12 +152,13 @@ def sample_blocks(data: LabelledData, gen: torch.Generator, n_seqs: int, n_ancho
     n = anchors[..., None]  # [S, A, 1]
     sees_ctx = ctx_valid[:, None] & (ctx_pos[:, None] < n) & (ctx_pos[:, None] >= n - window)  # [S, A, T]
     q = n_anchors * block
+    block_pos = i.repeat(n_anchors)  # [Q] position of each query in its block
     same_block = torch.arange(q, device=device) // block
-    in_block = (same_block[:, None] == same_block[None]) & (i.repeat(n_anchors)[None] <= i.repeat(n_anchors)[:, None])
+    in_block = (same_block[:, None] == same_block[None]) & (block_pos[None] <= block_pos[:, None])
     mask = torch.cat([sees_ctx[:, :, None].expand(-1, -1, block, -1).reshape(n_seqs, q, t),
                       in_block.expand(n_seqs, q, q)], dim=-1)  # [S, Q, T+Q]
     subset_index = subset_index.to(device)
-    block_idx = i.repeat(n_anchors).expand(n_seqs, q)
+    block_idx = block_pos.expand(n_seqs, q)
     per_query = lambda x: x[..., None].expand(-1, -1, block).reshape(n_seqs, q)  # noqa: E731  [S, A] -> [S, Q]
     return BlockBatch(ctx_states=ctx_states, ctx_positions=ctx_pos, tokens=inputs.reshape(n_seqs, q).long(),
                       block_idx=block_idx.contiguous(), positions=pos.reshape(n_seqs, q),
@@ -181,11 +173,18 @@ def _randbelow(gen: torch.Generator, shape: tuple, bound: torch.Tensor) -> torch
     return (torch.rand(shape, generator=gen, dtype=torch.float64) * bound).long().clamp(max=bound - 1)
 
 
-def pick_anchors(length: int, gen: torch.Generator, n_anchors: int, block: int, spread: int) -> tuple[int, int, list[int]]:
-    """`n_anchors` anchor positions in [lo, hi), a span of at most `spread * block` positions, each with a whole
-    block after it (anchor + block - 1 < length) and at least one position before it."""
-    last = length - block  # the last anchor whose block targets all exist
+def sample_anchors(data: LabelledData, gen: torch.Generator, n_seqs: int, n_anchors: int, block: int,
+                   spread: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`n_seqs` sequences drawn in proportion to their usable length, and for each `n_anchors` anchors in a
+    span [lo, lo + spread * block), each with a whole block after it (anchor + block - 1 < length) and at
+    least one position before it. Returns (seqs [S], lo [S], anchors [S, A]) on the CPU."""
+    usable = (data.lengths - block).clamp(min=0)
+    if float(usable.sum()) <= 0:
+        raise ValueError(f"no labelled sequence is longer than the block ({block})")
+    seqs = torch.multinomial(usable, n_seqs, replacement=True, generator=gen)  # [S]
+    last = data.lengths[seqs].long() - block  # the last anchor whose block targets all exist
     span = spread * block
-    lo = int(torch.randint(1, max(2, last - span + 2), (1,), generator=gen))
-    hi = min(lo + span, last + 1)
-    return lo, hi, torch.randint(lo, hi, (n_anchors,), generator=gen).tolist()
+    lo = 1 + _randbelow(gen, (n_seqs,), (last - span + 2).clamp(min=2) - 1)  # [S]
+    hi = torch.minimum(lo + span, last + 1)
+    anchors = lo[:, None] + _randbelow(gen, (n_seqs, n_anchors), (hi - lo)[:, None])  # [S, A]
+    return seqs, lo, anchors

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..drafter_worker.adapter import Adapter, AdapterConfig, default_adapter_indices
-from .dataset import LabelledData, pick_anchors
+from .dataset import LabelledData, sample_anchors
 from .run_files import STATE_FILE, open_run, save_state, tail_mean, write_report
 from .train_drafter import lr_at
 
@@ -85,16 +85,11 @@ def columns(data: LabelledData, indices: list[int], hidden: int) -> torch.Tensor
 
 def sample_adapter_blocks(data: LabelledData, gen: torch.Generator, cols: torch.Tensor, n_seqs: int, n_anchors: int,
                           block: int, spread: int = 4) -> AdapterBatch:
-    usable = (data.lengths - block).clamp(min=0)
-    if float(usable.sum()) <= 0:
-        raise ValueError(f"no labelled sequence is longer than the block ({block})")
-    seqs = torch.multinomial(usable, n_seqs, replacement=True, generator=gen).tolist()
+    seqs, _, anchor_rows = sample_anchors(data, gen, n_seqs, n_anchors, block, spread)
     parts = []
-    for i in seqs:
-        tokens = data.seq_tokens(i)
-        lo, hi, anchors = pick_anchors(len(tokens), gen, n_anchors, block, spread)
-        states = data.read(i, "hidden", 0, hi + block - 1)[:, cols]  # positions 0 .. last block end
-        parts.append((tokens, anchors, states))
+    for i, anchors in zip(seqs.tolist(), anchor_rows.tolist()):
+        states = data.read(i, "hidden", 0, max(anchors) + block)[:, cols]  # positions 0 .. last block end
+        parts.append((data.seq_tokens(i), anchors, states))
     t = max(max(a) for _, a, _ in parts)
     q, f = n_anchors * block, len(cols)
     out = dict(ctx_states=torch.zeros(n_seqs, t, f, dtype=torch.float16), tokens=torch.zeros(n_seqs, q, dtype=torch.long),

@@ -109,8 +109,8 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
         opt.load_state_dict(state["optimizer"])
         history, step = state["history"], state["step"]
         log(f"[train] resumed at step {step} from {out / STATE_FILE}")
-    subset_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
-    subset_index[model.vocab_subset.cpu()] = torch.arange(len(model.vocab_subset))
+    subset_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long, device=device)
+    subset_index[model.vocab_subset.to(device)] = torch.arange(len(model.vocab_subset), device=device)
     model.config.extra = {"train": asdict(s), "data": {"tokens": data.num_tokens, "sequences": len(data),
                                                       "path": str(data.path)}}
     bar = tqdm(total=s.steps, initial=step, unit="step", desc="train drafter", dynamic_ncols=True)

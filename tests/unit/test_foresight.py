@@ -176,13 +176,13 @@ def test_batched_outcomes_equal_one_at_a_time(target, sequences):
     states = torch.randn(GAMMA + 1, truth.shape[1], generator=g) * 3  # predicted states of n..n+gamma
     outcomes = [(0, 7), (3, 9), (GAMMA, 11), (2, 7), (3, 40)]
     noise = torch.randint(0, VOCAB, (len(outcomes), GAMMA - 1), generator=g)
-    batched = drafter.draft_outcomes(state, p, states, outcomes, noise, passes=2)
+    batched, _ = drafter.draft_outcomes(state, p, states, outcomes, noise, passes=2)
     for b, o in enumerate(outcomes):
-        alone = drafter.draft_outcomes(state, p, states, [o], noise[b:b + 1], passes=2)
+        alone, _ = drafter.draft_outcomes(state, p, states, [o], noise[b:b + 1], passes=2)
         assert torch.equal(batched[b], alone[0]), o
     assert len({tuple(row) for row in batched.tolist()}) == len(outcomes)  # the rows really differ
     # The rows read different contexts: the same anchor and noise after another k drafts differently.
-    other = drafter.draft_outcomes(state, p, states, [(GAMMA, 9)], noise[1:2], passes=2)
+    other, _ = drafter.draft_outcomes(state, p, states, [(GAMMA, 9)], noise[1:2], passes=2)
     assert not torch.equal(other[0], batched[1])
 
 

@@ -171,7 +171,7 @@ def test_fixed_positions_never_change_in_later_passes(target, sequences):
     pred, logits, normed = drafter.predict(ctx, block)
     outcomes = [(o.k, o.a) for o in drafter.select(logits, block, 4, 0.0)]
     noise = torch.randint(0, VOCAB, (4, M - 1), generator=torch.Generator().manual_seed(2))
-    drafts = drafter.draft_outcomes(state, n, drafter.draft_states(pred, normed), outcomes, noise, 0)
+    drafts, _ = drafter.draft_outcomes(state, n, drafter.draft_states(pred, normed), outcomes, noise, 0)
     ref = Refiner(drafter, state, n, ctx.tokens[-1], block, outcomes, drafts, "anchor")
     history = []
     for step in range(M):
@@ -210,8 +210,8 @@ def test_a_refresh_pass_of_an_unfixed_row_is_a_jacobi_pass(target, sequences):
     states = drafter.draft_states(pred, normed)
     outcomes = [(2, 7), (0, 9)]
     noise = torch.randint(0, VOCAB, (2, M - 1), generator=torch.Generator().manual_seed(4))
-    j0 = drafter.draft_outcomes(state, n, states, outcomes, noise, 0)
-    j1 = drafter.draft_outcomes(state, n, states, outcomes, noise, 1)
+    j0, _ = drafter.draft_outcomes(state, n, states, outcomes, noise, 0)
+    j1, _ = drafter.draft_outcomes(state, n, states, outcomes, noise, 1)
     ref = Refiner(drafter, state, n, ctx.tokens[-1], block, outcomes, j0, "refresh")
     ref.refresh([0, 1])
     rows = [b for b in ref.open_rows() if ref.fixed[b] == 0]
