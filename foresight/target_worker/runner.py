@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from .linear_rollback import LinearSnapshot, LinearStateRollback
+from .logit_head import LOGIT_PRECISIONS, Fp32LogitHead, needs_fp32_head
 
 
 @dataclass(slots=True)
@@ -24,13 +25,18 @@ class ForwardResult:
 class TargetRunner:
     """Wraps a Hugging Face causal LM for per-request prefill / verify with a DynamicCache."""
 
-    def __init__(self, model, hidden_layers: list[int] | None = None):
+    def __init__(self, model, hidden_layers: list[int] | None = None, logits: str = "fp32-top"):
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
         # hidden_states index i is the output of decoder layer i-1 (index 0 = embeddings).
         self.hidden_layers = list(hidden_layers or [])
         self.linear = LinearStateRollback(model)  # empty unless the target has linear-attention layers
+        # A bf16/fp16 target still decides in fp32: its final norm and LM head run in fp32 (logit_head.py).
+        if logits not in LOGIT_PRECISIONS:
+            raise ValueError(f"logits must be one of {LOGIT_PRECISIONS}, got {logits!r}")
+        self.logit_precision = logits if needs_fp32_head(model) else "model"
+        self.head = Fp32LogitHead(model) if self.logit_precision != "model" else None
 
     @property
     def vocab_size(self) -> int:
@@ -64,21 +70,25 @@ class TargetRunner:
 
     def _forward(self, cache, tokens, keep_logits, snap) -> ForwardResult:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, L]
+        keep = keep_logits or len(tokens)
         kwargs = {}
         if self.hidden_layers:
             kwargs["output_hidden_states"] = self.hidden_layers
-        out = self.model(
-            input_ids=ids,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=keep_logits or len(tokens),
-            **kwargs,
-        )
+        if self.logit_precision == "fp32":
+            # The base model only: the fp32 head replaces the model's own low-precision LM head.
+            out = self.model.model(input_ids=ids, cache=cache, use_cache=True, **kwargs)
+            logits = self.head.logits(keep)  # [keep, vocab] float32
+        elif self.logit_precision == "fp32-top":
+            out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep, **kwargs)
+            logits = self.head.refine(out.logits[0])  # [keep, vocab] float32
+        else:
+            out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep, **kwargs)
+            logits = out.logits[0].float()  # [keep, vocab]
         hidden = None
         if self.hidden_layers:
             # [L, n_layers * hidden], concatenated in the order the drafter asked for.
             hidden = torch.cat([out.hidden_states[i][0] for i in self.hidden_layers], dim=-1)
-        return ForwardResult(logits=out.logits[0].float(), hidden=hidden, linear_snapshot=snap)
+        return ForwardResult(logits=logits, hidden=hidden, linear_snapshot=snap)
 
     def prefill(self, cache: DynamicCache, prompt_ids: list[int]) -> ForwardResult:
         """Process the prompt; logits only for its last position."""

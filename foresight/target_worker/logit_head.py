@@ -1,0 +1,87 @@
+"""Target logits in fp32 for a target served in bf16/fp16.
+
+A bf16 LM head rounds every logit to 8 significant bits: at the magnitude of SmolLM2's logits (~15-30)
+that is a step of 0.0625-0.125, so two candidate tokens often get *exactly* the same logit, and which
+of them wins the argmax then depends on how the last hidden state was rounded -- which differs between
+a 1-token step and a γ+1-token verify forward. Greedy speculative output then drifts from plain
+greedy decoding at ties that are artefacts of the output format, not of the model.
+
+`Fp32LogitHead` keeps the body of the model in its serving dtype and computes only the last mile in
+fp32: the final norm (a float copy of the norm module, so any RMSNorm variant is reproduced) over the
+last layer's output, then the LM head with an fp32 copy of its weight, then the model's final logit
+soft-capping where it has one (Gemma). The copy costs vocab x hidden x 4 bytes (113 MB for SmolLM2);
+upcasting the bf16 weight on every call measured 6x slower (docs/numerics.md).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+# How the target's logits are computed when it runs in bf16/fp16: "model" (its own head, low precision),
+# "fp32" (final norm + LM head in fp32), "fp32-top" (its own head, then the near-maximum entries in fp32).
+LOGIT_PRECISIONS = ("model", "fp32", "fp32-top")
+
+
+class Fp32LogitHead:
+    """fp32 logits from the pre-norm output of the last decoder layer of a low-precision model."""
+
+    def __init__(self, model: nn.Module):
+        base = model.model
+        self.norm = copy.deepcopy(base.norm).float()
+        head = model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("Fp32LogitHead: LM heads with a bias are not supported")
+        self.weight_low = head.weight.detach()  # [vocab, hidden] in the serving dtype
+        self.weight = self.weight_low.float()  # [vocab, hidden]
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        # Measured on SmolLM2 in bf16: |model logit - fp32 logit| <= 0.005 x |row max| over the top-50
+        # tokens (0.22 at |max| 46) = 0.6 eps. Refining everything within 8 eps x |row max| of the
+        # maximum (2.9 at 46) leaves a margin of > 6x over twice that error.
+        self.window_rel = 8 * torch.finfo(self.weight_low.dtype).eps
+        self._captured: torch.Tensor | None = None
+        # The final norm's input is the last layer's output: capture it as the base model runs.
+        base.norm.register_forward_hook(self._capture)
+
+    def _capture(self, module, args, output) -> None:
+        self._captured = args[0]
+
+    def logits(self, keep: int) -> torch.Tensor:
+        """[keep, vocab] float32 logits for the last `keep` positions of the forward that just ran."""
+        logits = torch.nn.functional.linear(self._normed(keep), self.weight)
+        return self._softcap(logits)
+
+    def refine(self, low: torch.Tensor) -> torch.Tensor:
+        """fp32 logits where they decide: `low` [keep, vocab] (the model's own low-precision logits)
+        upcast, with every token whose low-precision logit lies within a window of its row's maximum
+        recomputed in fp32 from its own weight row. The argmax then equals the full fp32 head's
+        whenever the window exceeds twice the low-precision rounding error; other entries keep their
+        low-precision values."""
+        keep = low.shape[0]
+        normed = self._normed(keep)  # [keep, hidden]
+        out = low.float()
+        top = out.max(-1, keepdim=True).values  # [keep, 1]
+        candidates = out >= top - self.window_rel * top.abs()  # [keep, vocab]
+        rows, cols = candidates.nonzero(as_tuple=True)  # [n]
+        exact = (self.weight_low[cols].float() * normed[rows]).sum(-1)  # [n]
+        out[rows, cols] = self._softcap(exact)
+        return out
+
+    def _normed(self, keep: int) -> torch.Tensor:
+        hidden = self._captured[0, -keep:].float()  # [keep, hidden]
+        self._captured = None
+        return self.norm(hidden)
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def needs_fp32_head(model: nn.Module) -> bool:
+    """True when the model computes in a dtype narrower than fp32 and has the usual `model.model.norm`."""
+    dtype = next(model.parameters()).dtype
+    base = getattr(model, "model", None)
+    return dtype in (torch.bfloat16, torch.float16) and base is not None and hasattr(base, "norm")

@@ -1,0 +1,57 @@
+"""fp32 logits for a low-precision target: the final norm and LM head in fp32, or its near-maximum entries."""
+import pytest
+import torch
+
+from foresight.target_worker.logit_head import Fp32LogitHead, needs_fp32_head
+from foresight.target_worker.runner import TargetRunner
+from support.tiny_models import tiny_model
+
+torch.set_num_threads(1)
+IDS = torch.randint(1, 90, (1, 12), generator=torch.Generator().manual_seed(3))
+
+
+def softcapped(arch: str):
+    model = tiny_model(arch)
+    if arch == "gemma3":
+        model.config.final_logit_softcapping = 3.0  # exercised: the head must re-apply it
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_5"])
+def test_fp32_head_reproduces_the_models_own_logits_in_fp32(arch):
+    model = softcapped(arch)
+    head = Fp32LogitHead(model)  # forced: an fp32 model does not need it, so it must match exactly
+    with torch.inference_mode():
+        want = model(IDS).logits[0]
+        model.model(IDS)
+        got = head.logits(IDS.shape[1])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_5"])
+def test_bf16_target_decides_on_fp32_logits(arch):
+    model = softcapped(arch).to(torch.bfloat16)
+    assert needs_fp32_head(model) and not needs_fp32_head(softcapped(arch))
+    full, top, low = (TargetRunner(model, logits=p) for p in ("fp32", "fp32-top", "model"))
+    prompt = IDS[0].tolist()
+    rows = {}
+    for name, runner in (("fp32", full), ("fp32-top", top), ("model", low)):
+        rows[name] = runner.prefill(runner.new_cache(), prompt).logits  # [1, vocab]
+        cache = runner.new_cache()
+        runner.prefill(cache, prompt[:6])
+        rows[name + "/verify"] = runner.verify(cache, prompt[6], prompt[7:]).logits  # [6, vocab]
+    for key in ("", "/verify"):
+        exact, refined, coarse = rows["fp32" + key], rows["fp32-top" + key], rows["model" + key]
+        assert exact.dtype == refined.dtype == torch.float32
+        # Low-precision logits lie on the bf16 grid; fp32 ones do not.
+        assert torch.equal(coarse, coarse.bfloat16().float())
+        assert not torch.equal(exact, exact.bfloat16().float())
+        # Refinement recomputes the decisive entries: the argmax and the maximum equal the full fp32 head's.
+        assert torch.equal(refined.argmax(-1), exact.argmax(-1))
+        torch.testing.assert_close(refined.max(-1).values, exact.max(-1).values, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(exact, coarse, atol=0.3, rtol=0.05)  # the same model, finer rounding
+
+
+def test_unknown_logit_precision_is_refused():
+    with pytest.raises(ValueError, match="logits"):
+        TargetRunner(tiny_model("llama"), logits="fp64")
