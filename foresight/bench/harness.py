@@ -23,7 +23,9 @@ from ..protocol.messages import GenerateRequest
 from ..server.engine_client import EngineClient
 from ..server.openai_schemas import ChatCompletionRequest, CompletionRequest
 from ..server.serving import RequestRunner
-from ..target_worker.loading import load_tokenizer, resolve_dtype, resolve_target
+from ..target_worker.loading import load_target, load_tokenizer, resolve_dtype, resolve_target
+from ..target_worker.runner import TargetRunner
+from . import numerics
 from .prompts import load_prompts
 from .report import write_chart
 
@@ -193,6 +195,8 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
         await engine.stop()
     ar = tallies["ar"].outputs if "ar" in tallies else None
     summary = {r.label: tallies[r.label].summary(r.mode, ar) for r in mode_runs}
+    for label, fields in numerics_probe(cfg, args, requests, mode_runs, tallies).items():
+        summary[label].update(fields)
     report = {
         "model": str(cfg.target or "SmolLM2-135M-Instruct (embedded default)"),
         "drafter": drafter,
@@ -212,6 +216,27 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     if refine_runs:
         report["refinement"] = refinement_section(refine_runs, tallies, ar)
     return report
+
+
+def numerics_probe(cfg: EngineConfig, args: argparse.Namespace, requests: list[GenerateRequest],
+                   mode_runs: list[Run], tallies: dict) -> dict:
+    """Per speculative mode: its outputs that differ from ar's, each explained by a near-tie or not
+    (bench/numerics.py). Only greedy exact verification promises equality; elsewhere the fields are null."""
+    spec = [r for r in mode_runs if r.mode != "ar"]
+    empty = {"mismatches": None, "mismatches_near_tie": None, "mismatches_unexplained": None}
+    if "ar" not in tallies or args.temperature != 0 or cfg.verification != "exact":
+        return {r.label: dict(empty) for r in spec}
+    differing = [r for r in spec if tallies[r.label].outputs != tallies["ar"].outputs]
+    result = {r.label: numerics.summarise([]) for r in spec}
+    if differing:
+        dtype = resolve_dtype(cfg.dtype, cfg.target_device)
+        torch.set_num_threads(cfg.target_threads)
+        runner = TargetRunner(load_target(resolve_target(cfg.target), dtype, cfg.target_device))
+        prompts = [r.prompt_ids for r in requests]
+        for r in differing:
+            found = numerics.probe(runner, dtype, prompts, tallies["ar"].outputs, tallies[r.label].outputs)
+            result[r.label] = numerics.summarise(found)
+    return result
 
 
 def refinement_section(runs: list[Run], tallies: dict, ar_outputs: list[list[int]] | None) -> dict:
