@@ -9,6 +9,7 @@ also carries `.base_url`, `.port`, `.process` (the `subprocess.Popen`), `.log_pa
 Environment knobs:
 - FORESIGHT_TEST_SERVER_ARGS: extra `serve` flags, e.g. "--mode pipelined --block-size 6".
 - FORESIGHT_TEST_SERVER_TIMEOUT: seconds to wait for /health (default 300).
+- FORESIGHT_TEST_DTYPE (or pytest's --dtype): the server's --dtype (default auto).
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from support.suite_dtype import suite_dtype
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVER_MODULE = "foresight.server.cli"
@@ -90,7 +93,8 @@ def start_server(log_dir: Path, extra_args: list[str] | None = None):
         pytest.skip(f"{SERVER_MODULE} does not exist yet: no `foresight serve` to test")
     port = free_port()
     log_path = log_dir / "server.log"
-    cmd = [sys.executable, "-m", SERVER_MODULE, "serve", "--port", str(port), "--host", "127.0.0.1"]
+    cmd = [sys.executable, "-m", SERVER_MODULE, "serve", "--port", str(port), "--host", "127.0.0.1",
+           "--dtype", suite_dtype()]
     cmd += list(extra_args or []) + shlex.split(os.environ.get("FORESIGHT_TEST_SERVER_ARGS", ""))
     timeout_s = float(os.environ.get("FORESIGHT_TEST_SERVER_TIMEOUT", "300"))
     env = dict(os.environ, PYTHONUNBUFFERED="1")

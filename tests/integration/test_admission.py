@@ -8,7 +8,8 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-LONG = {"prompt": "Count from one to one thousand: one, two,", "max_tokens": 400, "temperature": 0}
+LONG = {"prompt": "Count from one to one thousand: one, two,", "max_tokens": 400, "temperature": 0,
+        "ignore_eos": True}
 
 
 def metric(base: str, prefix: str) -> float:
