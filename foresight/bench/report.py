@@ -28,3 +28,29 @@ def write_chart(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_quality_chart(report: dict, path: Path) -> None:
+    """eval-quality: speed against pass@1, one labelled point per verification setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for key, r in report["results"].items():
+        x, y = r["pass_at_1"], r["tokens_per_s"] or 0.0
+        ax.scatter([x], [y], color="tab:blue" if key == "exact" else "tab:orange")
+        ax.annotate(f"{key}\ntau {r['tau'] or 0:.2f}", (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ax.set_xlabel("pass@1")
+    ax.set_ylabel("tokens / s")
+    ax.margins(y=0.25)
+    # pass@1 of small models sits near 0: never below 0, and room on the right for the labels.
+    best = max(r["pass_at_1"] for r in report["results"].values())
+    ax.set_xlim(-0.01, max(0.1, 1.3 * best))
+    s = report["settings"]
+    ax.set_title(f"{report['model']} | drafter {report['drafter']}\n{s['mode']} | T={s['temperature']} | "
+                 f"{s['n_prompts']} problems | max {s['max_tokens']} tokens", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,4 +1,4 @@
-"""The `foresight` command: serve, bench, prepare-model, train, eval-drafter, eval-foresight."""
+"""The `foresight` command: serve, bench, eval-quality, prepare-model, train, eval-drafter, eval-foresight."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(bench)
 
+    # "resolve": eval-quality's --verification (a list of settings) and --mode replace the engine flags.
+    quality = sub.add_parser("eval-quality", conflict_handler="resolve",
+                             help="HumanEval pass@1, speed and target NLL per verification rule, in one run")
+    add_engine_args(quality)
+    from ..bench.quality import add_quality_args
+
+    add_quality_args(quality)
+
     sub.add_parser("prepare-model", help="convert the embedded default model into its cache folder")
     add_train_args(sub)
     return parser
@@ -45,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         engine = engine_from_args(args)
         if args.command == "serve":
             return serve(args, engine)
+        if args.command == "eval-quality":
+            check_pipelined(engine)
+            from ..bench.quality import run_quality
+
+            return run_quality(args, engine)
         from ..bench.harness import run_bench
 
         return run_bench(args, engine)
