@@ -186,10 +186,10 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
             raise ConfigError(f"modes: pipelined needs a drafter that supports foresight; {drafter!r} does not")
         requests = build_requests(runner, items, args)
         tallies = {r.label: ModeTally() for r in runs}
-        await run_one(engine, _for_run(requests[0], runs[0], "warmup"), ModeTally())
+        await run_one(engine, request_for_run(requests[0], runs[0], "warmup"), ModeTally())
         for i, request in enumerate(requests):
             for run in runs:
-                await run_one(engine, _for_run(request, run, str(i)), tallies[run.label])
+                await run_one(engine, request_for_run(request, run, str(i)), tallies[run.label])
             print(f"[bench] prompt {i + 1}/{len(requests)} done", flush=True)
     finally:
         await engine.stop()
@@ -275,7 +275,7 @@ def nucleus_section(mode_runs: list[Run], nucleus_runs: list[Run], tallies: dict
     return out
 
 
-def _for_run(request: GenerateRequest, run: Run, tag: str) -> GenerateRequest:
+def request_for_run(request: GenerateRequest, run: Run, tag: str) -> GenerateRequest:
     sampling = dataclasses.replace(request.sampling, verification=run.verification, nucleus_threshold=run.theta)
     return GenerateRequest(req_id=f"bench-{run.label}-{tag}", prompt_ids=request.prompt_ids,
                            max_tokens=request.max_tokens, sampling=sampling, stop_token_ids=request.stop_token_ids,

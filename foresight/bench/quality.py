@@ -22,7 +22,7 @@ from ..server.engine_client import EngineClient
 from ..server.serving import RequestRunner
 from ..target_worker.loading import load_target, load_tokenizer, resolve_target
 from . import humaneval_check
-from .harness import ModeTally, Run, _for_run, build_requests, machine_info, run_one
+from .harness import ModeTally, Run, request_for_run, build_requests, machine_info, run_one
 from .prompts import humaneval_chat, humaneval_problems
 from .report import write_quality_chart
 
@@ -106,10 +106,10 @@ async def generate(args: argparse.Namespace, cfg: EngineConfig, problems: list[d
         drafter = engine.drafter_info().get("proposer", cfg.drafter)  # read before stop() forgets it
         requests = build_requests(runner, [humaneval_chat(p) for p in problems], args)
         answers = [Answers(run, ModeTally()) for run in runs]
-        await run_one(engine, _for_run(requests[0], runs[0], "warmup"), ModeTally())
+        await run_one(engine, request_for_run(requests[0], runs[0], "warmup"), ModeTally())
         for i, request in enumerate(requests):
             for a in answers:
-                await run_one(engine, _for_run(request, a.run, str(i)), a.tally)
+                await run_one(engine, request_for_run(request, a.run, str(i)), a.tally)
             print(f"[eval-quality] problem {i + 1}/{len(requests)} done", flush=True)
     finally:
         await engine.stop()
