@@ -12,7 +12,7 @@ import argparse
 import pytest
 import torch
 
-from foresight.bench.harness import Run, _for_run, refinement_runs, refinement_section, ModeTally
+from foresight.bench.harness import Run, request_for_run, refinement_runs, refinement_section, ModeTally
 from foresight.config import ConfigError, EngineConfig, add_engine_args, engine_from_args
 from foresight.drafter_worker.budget import Plan, StepCosts, plan_round
 from foresight.drafter_worker.draft_model import ContextKV, draw_noise
@@ -371,7 +371,7 @@ def test_bench_plans_one_pipelined_run_per_refinement_mode():
     with pytest.raises(ConfigError):
         refinement_runs(argparse.Namespace(refinement_ablation="none,all"), cfg)
     req = GenerateRequest(req_id="x", prompt_ids=[1], max_tokens=4, sampling=SamplingParams())
-    assert _for_run(req, runs[1], "0").refinement == "anchor"
+    assert request_for_run(req, runs[1], "0").refinement == "anchor"
     tally = ModeTally(output_tokens=10, wall_s=1.0, rounds=4, committed=10, lookups=4, hits=2,
                       outputs=[[1, 2]], predrafted=2, passes=3, refreshes=2)
     section = refinement_section([Run("p", "pipelined", "exact", 0.95, "anchor")], {"p": tally}, [[1, 2]])
