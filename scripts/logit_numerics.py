@@ -3,7 +3,8 @@
 For each prompt: greedy-decode N tokens with 1-token steps (as mode `ar` does), then feed the same
 sequence again in verify-shaped forwards of `--block` positions (as `sync` does) and count the positions
 whose argmax differs; for each flip, the top-2 logit margin of the 1-token step. Then the time of a
-1-token step and of a `--block`-token forward on a ~200-token cache. Usage:
+1-token step and of a `--block`-token forward on a ~200-token cache per logit precision, and (bf16/fp16)
+the cost of the head alone. Usage:
 
     .venv/bin/python scripts/logit_numerics.py --dtype bfloat16 --prompts 8 --tokens 48 --out F.json
 """
@@ -17,6 +18,7 @@ import torch
 
 from foresight.bench.prompts import humaneval_prompts
 from foresight.target_worker.loading import load_target, load_tokenizer, resolve_target
+from foresight.target_worker.logit_head import Fp32LogitHead
 from foresight.target_worker.runner import TargetRunner
 
 
@@ -61,6 +63,43 @@ def time_forward(runner, context, n_new, reps=10):
     return 1e3 * times[len(times) // 2]
 
 
+def median_ms(fn, reps=30) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 1e3 * times[len(times) // 2]
+
+
+@torch.inference_mode()
+def head_costs(model, lengths=(1, 8, 16)) -> dict:
+    """The head alone on the same captured hidden states: the model's, fp32-top's extra, the full fp32 head."""
+    head = Fp32LogitHead(model)
+    lm = model.get_output_embeddings()
+    ids = torch.randint(0, lm.weight.shape[0], (1, max(lengths)), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for n in lengths:
+        model.model(ids[:, :n])
+        hidden = head._captured  # [1, n, hidden], the last layer's output
+        low = lm(model.model.norm(hidden))[0]  # [n, vocab]
+
+        def refine():
+            head._captured = hidden
+            head.refine(low)
+
+        def full():
+            head._captured = hidden
+            head.logits(n)
+
+        out[n] = {"model_head_ms": median_ms(lambda: lm(model.model.norm(hidden))),
+                  "fp32_top_extra_ms": median_ms(refine), "fp32_head_ms": median_ms(full)}
+        print(f"head, {n} positions: {json.dumps(out[n])}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
@@ -98,6 +137,8 @@ def main() -> None:
             f"step_ms_{args.block}": time_forward(runner, context[:200], args.block),
         }
         print(name, json.dumps(report["variants"][name]), flush=True)
+    if next(model.parameters()).dtype != torch.float32:
+        report["head_costs"] = head_costs(model)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
