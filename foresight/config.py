@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 MODES = ("ar", "sync", "pipelined")
@@ -96,6 +97,9 @@ class EngineConfig:
         return cls(**data)
 
 
+API_KEY_ENV = "FORESIGHT_API_KEY"
+
+
 @dataclass(slots=True)
 class ServerConfig:
     """What only the api process needs."""
@@ -106,6 +110,10 @@ class ServerConfig:
     max_waiting: int = 64  # beyond this the api answers 429
     startup_timeout_s: float = 600.0
     max_restarts: int = 5
+    # A body is refused (413) past this size, read no further: one huge body must not stall the api.
+    max_request_bytes: int = 4 << 20
+    request_timeout_s: float = 0.0  # wall-clock limit per request from its arrival; 0 = none
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/* when set
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -113,6 +121,12 @@ class ServerConfig:
             raise ConfigError("port must lie in 1..65535")
         if self.max_running < 1 or self.max_waiting < 0:
             raise ConfigError("max_running must be >= 1 and max_waiting >= 0")
+        if self.max_request_bytes < 1024:
+            raise ConfigError("max_request_bytes must be >= 1024")
+        if not 0.0 <= self.request_timeout_s < float("inf"):
+            raise ConfigError("request_timeout must be a finite number of seconds >= 0 (0 = no timeout)")
+        if self.api_key is not None and (not self.api_key.strip() or not self.api_key.isprintable()):
+            raise ConfigError("api_key must be non-empty printable text")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -163,3 +177,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The api's own flags (`serve` only)."""
+    d = ServerConfig()
+    g = parser.add_argument_group("api")
+    g.add_argument("--host", default=d.host)
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--max-running", type=int, default=d.max_running)
+    g.add_argument("--max-waiting", type=int, default=d.max_waiting)
+    g.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s)
+    g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="largest request body accepted; larger ones get 413 (default 4 MiB)")
+    g.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
+                   help="seconds a request may take from arrival, queueing included; then it is aborted "
+                        "(504, or an error event in a stream). 0 = no limit")
+    g.add_argument("--api-key", default=None,
+                   help=f"require `Authorization: Bearer <key>` on /v1/* (default: ${API_KEY_ENV}; "
+                        "/health and /metrics stay open)")
+
+
+def server_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerConfig:
+    # The key may come from the environment so that it stays out of `ps` and shell history.
+    api_key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    return ServerConfig(host=args.host, port=args.port, max_running=args.max_running,
+                        max_waiting=args.max_waiting, startup_timeout_s=args.startup_timeout,
+                        max_request_bytes=args.max_request_bytes, request_timeout_s=args.request_timeout,
+                        api_key=api_key, engine=engine)

@@ -10,9 +10,9 @@ per second (`verify_length.py`; `--verify-length max` sends every draft).
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass
 
@@ -28,6 +28,8 @@ from .ngram import NgramProposer
 from .proposer import DraftContext, Proposer
 from .speculation_cache import SpeculationCache
 from .verify_length import VerifyLengthController
+
+log = logging.getLogger("foresight.drafter")
 
 IDLE_POLL_MS = 100
 VERIFY_EMA = 0.2  # weight of the newest verify time in the foresight budget estimate
@@ -141,7 +143,7 @@ class DrafterWorker:
         try:
             tokens = self.proposer.propose(ctx, max_drafts)[:max_drafts]
         except Exception:  # a failing proposal costs this round its drafts, never the request
-            traceback.print_exc()
+            log.exception("request %s: drafting failed; this round goes without drafts", ctx.req_id)
             return [], []
         return tokens, ctx.last_confidence[: len(tokens)]
 
@@ -169,7 +171,7 @@ class DrafterWorker:
             max_drafts = self.draft_length(job.max_drafts, job.round + 1)  # the entries answer round+1
             entries = self.proposer.foresee(ctx, ctx.last_block, max_drafts, self.verify_s)
         except Exception:
-            traceback.print_exc()
+            log.exception("request %s: foresight drafting failed; the next round misses the cache", job.req_id)
             return
         self.cache.fill(job.req_id, job.round + 1, entries)
 

@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from .errors import ProtocolError
-from .transport import SHM_PREFIX, _open_shm, _shm_unlink
+from .transport import SHM_PREFIX, _open_shm, _shm_unlink, check_shm_name
 
 _uuid_to_index: dict[str, int] = {}
 _LOCAL_RINGS: weakref.WeakValueDictionary[str, _Ring] = weakref.WeakValueDictionary()
@@ -170,11 +170,15 @@ class CudaIpcReceiver:
     def ack(self, ring: str, slot: int) -> None:
         """Hand the slot back to the sender (also used to free the slot of a dropped message)."""
         if ring not in self.flags:
+            check_shm_name(ring)  # the name comes from a message: never open anything but our rings
             try:
                 self.flags[ring] = _open_shm(ring)
             except FileNotFoundError:
                 return  # the sender closed its ring: nobody waits for this slot any more
-        self.flags[ring].buf[slot] = 0
+        flags = self.flags[ring].buf
+        if not isinstance(slot, int) or not 0 <= slot < len(flags):
+            raise ProtocolError(f"bad CUDA IPC slot {slot!r} for ring {ring}")
+        flags[slot] = 0
 
     def close(self) -> None:
         self.slots.clear()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import itertools
 import os
+import re
 import secrets
 import sys
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 
 SHM_PREFIX = "foresight_"  # segment names: foresight_<pid>_<n>_<random>
+# A name from a message becomes a path under /dev/shm: only our own names, no separators or dots.
+_SHM_NAME = re.compile(re.escape(SHM_PREFIX) + r"[A-Za-z0-9_]{1,100}")
 _shm_counter = itertools.count()
 
 
@@ -209,8 +212,19 @@ def _shm_put(flat: torch.Tensor) -> str:
     return name
 
 
+def check_shm_name(name) -> str:
+    """`name` if it is one this transport could have made; ProtocolError otherwise (before any open or
+    unlink: a peer's message must not name an arbitrary file)."""
+    if not isinstance(name, str) or _SHM_NAME.fullmatch(name) is None:
+        raise ProtocolError(f"bad shared memory segment name {name!r}")
+    return name
+
+
 def _shm_take(name: str, nbytes: int) -> torch.Tensor:
     """Copy the segment out into an owned uint8 tensor and unlink it."""
+    check_shm_name(name)
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise ProtocolError(f"bad shared memory size {nbytes!r}")
     try:
         shm = _open_shm(name)
     except FileNotFoundError as e:
@@ -230,6 +244,7 @@ def _copy_out(buf: memoryview, nbytes: int) -> torch.Tensor:
 
 
 def _shm_unlink(name: str) -> None:
+    check_shm_name(name)
     try:
         os.unlink(os.path.join("/dev/shm", name))
     except FileNotFoundError:

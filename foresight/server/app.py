@@ -1,20 +1,27 @@
 """The FastAPI app: OpenAI-compatible routes, health, metrics and error mapping."""
 from __future__ import annotations
 
-import time
+import asyncio
+import logging
 import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ..config import DEFAULT_MODEL_NAME, ServerConfig
 from ..target_worker.loading import load_tokenizer, resolve_target
-from .engine_client import EngineClient, EngineUnavailable, QueueFull, RequestError
+from .engine_client import EngineClient
+from .errors import error, internal_message
 from .metrics import ServerMetrics
-from .openai_schemas import ChatCompletionRequest, CompletionRequest, error_body
-from .serving import BadRequest, RequestRunner, sse
+from .middleware import ApiKeyAuth, BodyLimit
+from .openai_schemas import ChatCompletionRequest, CompletionRequest
+from .responses import Job, complete, stream
+from .serving import BadRequest, RequestRunner
+
+log = logging.getLogger("foresight.server")
+NOT_READY = "the engine is not ready (loading, or a worker died and is being restarted)"
 
 
 def served_model_name(cfg: ServerConfig) -> str:
@@ -23,19 +30,26 @@ def served_model_name(cfg: ServerConfig) -> str:
     return DEFAULT_MODEL_NAME if cfg.engine.target is None else resolve_target(cfg.engine.target).name
 
 
-def error(status: int, message: str, param: str | None = None, type_: str | None = None) -> JSONResponse:
-    kinds = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-             503: "service_unavailable"}
-    return JSONResponse(error_body(message, type_ or kinds.get(status, "server_error"), param, status), status)
+def validation_error(exc: RequestValidationError):
+    """400 naming the parameter. Of a union's alternatives' errors, the deepest says the most."""
+    errors = exc.errors()
+    err = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {}
+    if err.get("type") == "json_invalid":
+        return error(400, "the request body is not valid JSON")
+    # Drop "body" and pydantic's names for union alternatives ("list[int]", "function-after[...]").
+    loc = [str(p) for p in err.get("loc", []) if p != "body" and (isinstance(p, int) or "[" not in str(p))]
+    return error(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}", loc[0] if loc else None)
 
 
-def create_app(cfg: ServerConfig) -> FastAPI:
-    model_path = resolve_target(cfg.engine.target)  # converts the embedded default once, before workers start
-    tokenizer = load_tokenizer(model_path)
+def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
+    """`engine` and `tokenizer` are built from `cfg` unless given (the unit tests pass fakes)."""
+    if tokenizer is None:
+        tokenizer = load_tokenizer(resolve_target(cfg.engine.target))  # converts the embedded default once
     model_name = served_model_name(cfg)
-    metrics = ServerMetrics(model_name, max_draft_tokens=cfg.engine.gamma)
-    engine = EngineClient(cfg.engine, cfg.max_running, cfg.max_waiting, cfg.startup_timeout_s,
-                          cfg.max_restarts, metrics)
+    if engine is None:
+        engine = EngineClient(cfg.engine, cfg.max_running, cfg.max_waiting, cfg.startup_timeout_s,
+                              cfg.max_restarts, ServerMetrics(model_name, max_draft_tokens=cfg.engine.gamma))
+    metrics: ServerMetrics = engine.metrics
     state: dict = {}
 
     @asynccontextmanager
@@ -44,26 +58,31 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         info = engine.target_info()
         state["runner"] = RequestRunner(engine, tokenizer, model_name, info["max_model_len"], metrics)
         yield
+        state["runner"].close()
         await engine.stop()
 
     app = FastAPI(title="Foresight", lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_request_bytes, metrics=metrics)
+    if cfg.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=cfg.api_key)  # added last: runs first, before any body is read
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        err = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in err.get("loc", []) if p != "body"]
         metrics.record_failure("bad_request")
-        if err.get("type") == "json_invalid":
-            return error(400, "the request body is not valid JSON", None)
-        param = loc[0] if loc else None
-        return error(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}", param)
+        return validation_error(exc)
+
+    @app.exception_handler(Exception)
+    async def on_internal_error(request: Request, exc: Exception):
+        rid = f"http-{uuid.uuid4().hex}"
+        log.error("request %s (%s %s) failed", rid, request.method, request.url.path, exc_info=exc)
+        return error(500, internal_message(rid))
 
     @app.get("/health")
     async def health():
         if not engine.healthy:
-            return error(503, "the engine is not ready (loading, or a worker died and is being restarted)")
+            return error(503, NOT_READY)
         return {"status": "ok", "workers": engine.worker_pids(), "restarts": engine.supervisor.restarts}
 
     @app.get("/metrics")
@@ -78,83 +97,36 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        return await handle(body, chat=False)
+        return await handle(body, raw, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        return await handle(body, chat=True)
+        return await handle(body, raw, chat=True)
 
-    async def handle(body, chat: bool):
+    async def handle(body, raw: Request, chat: bool):
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        timeout_s = cfg.request_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s if timeout_s > 0 else None
         if body.model is not None and body.model != model_name:
             return error(404, f"the model '{body.model}' does not exist; this server serves '{model_name}'", "model")
         if not engine.healthy:
-            return error(503, "the engine is not ready (loading, or a worker died and is being restarted)")
+            return error(503, NOT_READY)
         if not engine.can_admit():
             metrics.record_failure("queue_full")
             return error(429, f"the server is busy: {engine.waiting} requests are already waiting")
         runner: RequestRunner = state["runner"]
         try:
-            prompt_ids, param = runner.prompt_ids(body)
-            request = runner.build(body, prompt_ids, param)
+            prompt_ids, param = await runner.tokenize(body)
+            request = runner.build(body, prompt_ids, param, req_id=rid)
         except BadRequest as exc:
             metrics.record_failure("bad_request")
             return error(400, str(exc), exc.param)
+        except Exception:
+            log.exception("request %s: preparing the prompt failed", rid)
+            return error(500, internal_message(rid))
+        job = Job(runner, body, request, chat, rid, deadline, timeout_s)
         if body.stream:
-            return StreamingResponse(stream(runner, body, request, chat), media_type="text/event-stream")
-        return await complete(runner, body, request, chat)
+            return StreamingResponse(stream(job), media_type="text/event-stream")
+        return await complete(job, raw.is_disconnected)
 
     return app
-
-
-def _chunk_choice(chat: bool, text: str | None, reason: str | None, first: bool) -> dict:
-    if chat:
-        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-    return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
-
-
-async def stream(runner: RequestRunner, body, request, chat: bool):
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": runner.model_name}
-    n_completion, tally, first = 0, None, True
-    try:
-        async for text, reason, tally, n_completion in runner.events(request, body.stop_list()):
-            if not text and reason is None and not first:
-                continue
-            yield sse({**base, "choices": [_chunk_choice(chat, text, reason, first)]})
-            first = False
-    except (RequestError, EngineUnavailable, QueueFull) as exc:
-        status = getattr(exc, "status", 503 if isinstance(exc, EngineUnavailable) else 429)
-        yield sse(error_body(str(exc), "server_error", None, status))
-        yield sse("[DONE]")
-        return
-    if body.include_usage() and tally is not None:
-        usage = runner.usage(len(request.prompt_ids), n_completion, tally)
-        yield sse({**base, "choices": [], "usage": usage})
-    yield sse("[DONE]")
-
-
-async def complete(runner: RequestRunner, body, request, chat: bool):
-    parts, reason, tally, n_completion = [], None, None, 0
-    try:
-        async for text, r, tally, n_completion in runner.events(request, body.stop_list()):
-            parts.append(text)
-            reason = r or reason
-    except QueueFull as exc:
-        return error(429, str(exc))
-    except EngineUnavailable as exc:
-        return error(503, str(exc))
-    except RequestError as exc:
-        return error(exc.status, str(exc))
-    text = "".join(parts)
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                  "logprobs": None}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": runner.model_name, "choices": [choice],
-            "usage": runner.usage(len(request.prompt_ids), n_completion, tally)}
-

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import ConfigError, ServerConfig, add_engine_args, engine_from_args
+from ..config import ConfigError, add_engine_args, add_server_args, engine_from_args, server_from_args
 from ..training.cli import COMMANDS as TRAIN_COMMANDS, add_train_args, run as run_training
 
 
@@ -14,12 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server (api + target and drafter workers)")
     add_engine_args(serve)
-    d = ServerConfig()
-    serve.add_argument("--host", default=d.host)
-    serve.add_argument("--port", type=int, default=d.port)
-    serve.add_argument("--max-running", type=int, default=d.max_running)
-    serve.add_argument("--max-waiting", type=int, default=d.max_waiting)
-    serve.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s)
+    add_server_args(serve)
 
     bench = sub.add_parser("bench", help="run every mode on the same prompts and write a JSON report")
     add_engine_args(bench)
@@ -85,8 +80,7 @@ def serve(args: argparse.Namespace, engine) -> int:
 
     from .app import create_app
 
-    cfg = ServerConfig(host=args.host, port=args.port, max_running=args.max_running,
-                       max_waiting=args.max_waiting, startup_timeout_s=args.startup_timeout, engine=engine)
+    cfg = server_from_args(args, engine)
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
 

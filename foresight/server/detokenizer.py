@@ -1,8 +1,14 @@
 """Incremental detokenization with stop strings, in the api process.
 
-Decoding the whole output each time and diffing is simple and exact (multi-byte characters split
-across tokens come out right once complete); with the Rust tokenizers it costs well under a
-millisecond for outputs of a few thousand tokens.
+Each step decodes only a window of recent tokens, as vLLM's detokenizer does: `prefix` is the decoded
+text of the tokens already turned into output (from `prefix_offset` to `read_offset`), `full` that of the
+same tokens plus the new ones, and the new text is `full[len(prefix):]`. Decoding from the same start
+token twice keeps what a tokenizer does at the start of a sequence (e.g. SentencePiece dropping a
+leading space) out of the difference, and a multi-byte character split across tokens shows up as a
+trailing U+FFFD until its last byte arrives. The work per step is O(window), not O(output).
+
+Stop strings: text that could still become the start of a stop string is held back, so a stop string
+is never streamed, even in part.
 """
 from __future__ import annotations
 
@@ -15,8 +21,10 @@ class IncrementalDetokenizer:
         self.stop = [s for s in (stop or []) if s]
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
-        self.text = ""  # decoded so far, cut at a stop string if one was found
-        self.sent = 0  # characters of `text` already returned
+        self.prefix_offset = 0  # window start: the tokens of the last output piece begin here
+        self.read_offset = 0  # tokens before this are in the output
+        self.pending = ""  # decoded, not yet sent: held back for stop strings
+        self.sent_chars = 0
         self.stopped = False
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
@@ -25,19 +33,31 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.token_ids.extend(token_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if not final and text.endswith(REPLACEMENT_CHAR):
-            text = text[: len(text) - 1]  # an incomplete multi-byte character: wait for its other bytes
-        self.text = text
+        self.pending += self._decode_new(final)
         self._cut_at_stop()
-        end = len(self.text) if (final or self.stopped) else max(self.sent, len(self.text) - self.hold_back)
-        new, self.sent = self.text[self.sent:end], end
-        return new
+        keep = 0 if (final or self.stopped) else min(self.hold_back, len(self.pending))
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(out):]
+        self.sent_chars += len(out)
+        return out
+
+    def _decode_new(self, final: bool) -> str:
+        """Text of the tokens past `read_offset`, or "" while it ends in an incomplete character."""
+        window = self.token_ids[self.prefix_offset:]
+        prefix = self._decode(window[: self.read_offset - self.prefix_offset])
+        full = self._decode(window)
+        if len(full) <= len(prefix) or (full.endswith(REPLACEMENT_CHAR) and not final):
+            return ""  # nothing new yet, or wait for the other bytes of a character
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return full[len(prefix):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
 
     def _cut_at_stop(self) -> None:
-        # Search only where a stop string could newly appear: it must end after what was sent.
-        start = max(0, self.sent - self.hold_back)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        # Held-back text plus the new piece is the only place a stop string can newly appear: one that
+        # began in text already sent would have fit in the text of that step and been found then.
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            self.pending = self.pending[: min(hits)]
             self.stopped = True

@@ -127,7 +127,7 @@ class EngineClient:
         self._publish_queue()
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request.req_id] = queue
-        finished = False
+        finished = released = False
         try:
             await self.send_to_target.send(request)
             while not finished:
@@ -136,14 +136,22 @@ class EngineClient:
                     finished = True
                     raise RequestError(item.error, item.status)
                 finished = item.finished
+                if finished:
+                    # The worker is done: free the slot now, not when a slow client has read the rest.
+                    released = True
+                    self._release(request.req_id)
                 yield item
         finally:
-            self.queues.pop(request.req_id, None)
-            self.running -= 1
-            self.slots.release()
-            self._publish_queue()
+            if not released:
+                self._release(request.req_id)
             if not finished:
                 await self.abort(request.req_id)
+
+    def _release(self, req_id: str) -> None:
+        self.queues.pop(req_id, None)
+        self.running -= 1
+        self.slots.release()
+        self._publish_queue()
 
     async def abort(self, req_id: str) -> None:
         try:

@@ -1,43 +1,83 @@
 """OpenAI-compatible request bodies, validated before any model work.
 
 Every constraint names its parameter so a 400 says which field was wrong. Fields we do not
-implement are rejected (not silently ignored) unless they are at their neutral value.
+implement are rejected (not silently ignored) unless they are at their neutral value. Text that
+reaches the tokenizer must be valid Unicode (JSON's "\\ud800" escapes decode to lone surrogates,
+which no tokenizer can encode), and numbers must be finite (Python's json accepts NaN and Infinity).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Limits on what one request may hold (the body size is bounded separately, --max-request-bytes).
+MAX_MESSAGES = 2048
+MAX_STOP = 16  # OpenAI allows 4; each is searched for in every step's new text
+MAX_STOP_CHARS = 256  # streamed text is held back by the longest stop string's length
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"invalid Unicode at character {exc.start} (a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _content_part_text(i: int, part: Any) -> str:
+    if not isinstance(part, dict):
+        raise ValueError(f"content part {i} must be an object")
+    if part.get("type") != "text":
+        raise ValueError(f"content part {i}: only parts of type 'text' are supported")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ValueError(f"content part {i}: 'text' must be a string")
+    return _valid_unicode(text)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Text
+    content: Any = None  # a string, a list of text parts, or null; checked below for a clear message
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        if v is None:
+            return v
+        if isinstance(v, str):
+            return _valid_unicode(v)
+        if isinstance(v, list):
+            return [{"type": "text", "text": _content_part_text(i, p)} for i, p in enumerate(v)]
+        raise ValueError("content must be a string, a list of text parts, or null")
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: keep the text parts
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        if isinstance(self.content, list):
+            return "".join(p["text"] for p in self.content)
         return self.content or ""
 
 
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(default=None, gt=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, lt=2**31)
     n: int = Field(default=1, ge=1, le=1)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -46,13 +86,16 @@ class SamplingFields(BaseModel):
     logprobs: Any = None
     verification: Literal["exact", "nucleus"] | None = None
     nucleus_threshold: float | None = Field(default=None, gt=0.0, le=1.0)
-    user: str | None = None
+    user: Text | None = None
 
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, v):
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences")
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
         return v
 
     @field_validator("logprobs")
@@ -72,7 +115,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str]
+    prompt: Text | list[int] | list[Text]
     max_tokens: int | None = Field(default=16, gt=0)
     echo: bool = False
 
@@ -95,7 +138,7 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")

@@ -5,10 +5,13 @@ SSE chunks (or one JSON body), recording the request's metrics on the way.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..protocol.messages import GenerateRequest, RoundStats, SamplingParams
@@ -16,11 +19,35 @@ from .detokenizer import IncrementalDetokenizer
 from .engine_client import EngineClient, RequestError
 from .openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
+log = logging.getLogger("foresight.server")
+
+# Temperatures below this are greedy (as in vLLM): dividing logits by 1e-40 overflows to inf and the
+# sampled distribution becomes NaN, while any T this small is argmax in all but name.
+GREEDY_BELOW = 1e-5
+
 
 class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None):
         super().__init__(message)
         self.param = param
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of the vocabulary stands for (an upper bound: a byte-level
+    symbol or a byte-fallback token like <0xE2> is never shorter than what it decodes to)."""
+    try:
+        return max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t)
+    except Exception:  # a tokenizer without a listable vocabulary: no bound from it
+        return 0
+
+
+def _chars(body) -> tuple[int, str]:
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(m.text()) + len(m.role) for m in body.messages), "messages"
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return (len(prompt) if isinstance(prompt, str) else 0), "prompt"
 
 
 @dataclass
@@ -64,34 +91,67 @@ class SpecTally:
 class RequestRunner:
     """Builds engine requests from OpenAI bodies and turns outputs back into OpenAI responses."""
 
-    def __init__(self, engine: EngineClient, tokenizer, model_name: str, max_model_len: int, metrics=None):
+    def __init__(self, engine: EngineClient, tokenizer, model_name: str, max_model_len: int, metrics=None,
+                 max_prompt_chars: int | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.metrics = metrics
+        if max_prompt_chars is None and tokenizer is not None:
+            max_prompt_chars = max_model_len * max_token_chars(tokenizer) or None
+        self.max_prompt_chars = max_prompt_chars  # None: no bound known
+        # One thread: a Hugging Face tokenizer is not safe to use from several threads at once, and
+        # tokenizing (or templating) a long prompt must not stall the event loop.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="foresight-tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ building the request
 
+    def check_prompt_size(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """Refuse text no context could hold, before paying for tokenizing it."""
+        n, param = _chars(body)
+        if self.max_prompt_chars is not None and n > self.max_prompt_chars:
+            raise BadRequest(f"the prompt has {n} characters, more than {self.max_model_len} tokens (this "
+                             f"model's context length) can hold", param)
+
+    async def tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str]:
+        """`prompt_ids` in the tokenizer thread, after the size check."""
+        self.check_prompt_size(body)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.prompt_ids, body)
+
     def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str]:
         if isinstance(body, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            try:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            except Exception as exc:
-                raise BadRequest(f"messages could not be formatted with the chat template: {exc}", "messages")
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            return list(ids), "messages"
+            return self._chat_ids(body), "messages"
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False) or [self.tokenizer.eos_token_id], "prompt"
+        if len(prompt) >= self.max_model_len:
+            return list(prompt), "prompt"  # build() refuses it with the lengths; no vocabulary scan needed
         if any(t < 0 or t >= len(self.tokenizer) for t in prompt):
             raise BadRequest("prompt token ids must lie in the vocabulary", "prompt")
         return list(prompt), "prompt"
 
-    def build(self, body: SamplingFields, prompt_ids: list[int], prompt_param: str) -> GenerateRequest:
+    def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        from jinja2 import TemplateError
+
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as exc:  # the template's own verdict, e.g. "roles must alternate"
+            raise BadRequest(f"messages could not be formatted with the chat template: {exc}", "messages")
+        except Exception:
+            log.warning("chat template failed on a request's messages", exc_info=True)
+            raise BadRequest("messages could not be formatted with the chat template", "messages")
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return list(ids)
+
+    def build(self, body: SamplingFields, prompt_ids: list[int], prompt_param: str,
+              req_id: str | None = None) -> GenerateRequest:
         n_prompt = len(prompt_ids)
         if n_prompt >= self.max_model_len:
             raise BadRequest(f"the prompt has {n_prompt} tokens; this model's context length is "
@@ -102,11 +162,12 @@ class RequestRunner:
                              f"{n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} to generate)",
                              "max_tokens")
         cfg = self.engine.cfg
+        temperature = 0.0 if body.temperature < GREEDY_BELOW else body.temperature
         sampling = SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed,
+            temperature=temperature, top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed,
             verification=body.verification or cfg.verification,
             nucleus_threshold=body.nucleus_threshold if body.nucleus_threshold is not None else cfg.nucleus_threshold)
-        return GenerateRequest(req_id=f"{prompt_param[:4]}-{uuid.uuid4().hex[:16]}", prompt_ids=prompt_ids,
+        return GenerateRequest(req_id=req_id or f"{prompt_param[:4]}-{uuid.uuid4().hex[:16]}", prompt_ids=prompt_ids,
                                max_tokens=max_tokens, sampling=sampling, ignore_eos=body.ignore_eos)
 
     # ------------------------------------------------------------------ running it

@@ -5,6 +5,7 @@ Shared by the drafter and adapter trainers, which differ only in what they measu
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
 
 import torch
@@ -29,7 +30,8 @@ def open_run(out: Path, resume: bool, settings):
         raise FileExistsError(f"{path} exists: pass --resume to continue it, or use another --out")
     if not (resume and path.exists()):
         return None, settings
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    # weights_only: unpickling may run code; the state is plain dicts, lists, numbers and tensors.
+    state = torch.load(path, map_location="cpu", weights_only=True)
     kept = {k: getattr(settings, k) for k in RESETTABLE if hasattr(settings, k)}
     return state, type(settings)(**{**state["settings"], **kept})
 
@@ -37,8 +39,28 @@ def open_run(out: Path, resume: bool, settings):
 def save_state(out: Path, state: dict) -> None:
     """Write the resumable state atomically (a crash mid-write leaves the previous state intact)."""
     tmp = out / (STATE_FILE + ".tmp")
-    torch.save(state, tmp)
+    torch.save(plain(state), tmp)
     tmp.replace(out / STATE_FILE)
+
+
+def plain(obj):
+    """`obj` as what `torch.load(weights_only=True)` reads back: containers, numbers, strings, tensors
+    (paths and other objects of the settings become strings)."""
+    if isinstance(obj, dict):
+        return {plain(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [plain(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(plain(v) for v in obj)
+    if obj is None or isinstance(obj, (str, torch.Tensor)):
+        return obj
+    if isinstance(obj, bool):
+        return bool(obj)
+    if isinstance(obj, numbers.Integral):  # numpy integers too
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        return float(obj)
+    return str(obj)
 
 
 def tail_mean(history: list[dict], keys: tuple[str, ...], n: int = 50) -> dict:

@@ -37,3 +37,11 @@ def test_full_queue_is_429_and_disconnect_aborts(server_factory):
         assert metric(server, 'foresight_request_failure_total{model_name="SmolLM2-135M-Instruct",reason="queue_full"}') == 1
         ok = httpx.post(f"{server}/v1/completions", json={**LONG, "max_tokens": 3}, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        # A non-streaming client that gives up aborts its request too, long before 400 tokens.
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{server}/v1/completions", json=LONG, timeout=1.0)
+        deadline = time.monotonic() + 30
+        while metric(server, "foresight_requests_running{") > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metric(server, "foresight_requests_running{") == 0
+        assert metric(server, 'foresight_request_success_total{finished_reason="abort"') == 2

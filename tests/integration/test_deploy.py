@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import socket
@@ -200,12 +201,36 @@ def assert_every_panel_has_data(prom: Prometheus, timeout_s: float = 30.0) -> No
 # ------------------------------------------------------------------ docker-compose, promtool
 
 
-def compose_config(*files: Path) -> dict:
+# The stack refuses to start without a Grafana admin password; the tests give one.
+COMPOSE_ENV = {"GRAFANA_ADMIN_PASSWORD": "test-password"}
+COMPOSE_VARS = ("GRAFANA_ADMIN_PASSWORD", "FORESIGHT_BIND_ADDRESS", "FORESIGHT_API_KEY", "FORESIGHT_PORT",
+                "PROMETHEUS_PORT", "GRAFANA_PORT")
+
+
+def run_compose_config(*files: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     exe = binary("docker-compose")
     cmd = [exe] + [a for f in files for a in ("-f", str(f))] + ["config"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}"
+    base = {k: v for k, v in os.environ.items() if k not in COMPOSE_VARS}  # the defaults, not this shell's
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                          env={**base, **(COMPOSE_ENV if env is None else env)})
+
+
+def compose_config(*files: Path, env: dict | None = None) -> dict:
+    proc = run_compose_config(*files, env=env)
+    assert proc.returncode == 0, f"docker-compose config failed:\n{proc.stderr}"
     return yaml.safe_load(proc.stdout)
+
+
+def published(service: dict) -> list[tuple[str, str]]:
+    """(host address, host port) of each published port, from v1 strings or v2 long syntax."""
+    out = []
+    for port in service.get("ports", []):
+        if isinstance(port, dict):
+            out.append((port.get("host_ip", "0.0.0.0"), str(port["published"])))
+        else:
+            parts = str(port).split("/")[0].split(":")
+            out.append((parts[0] if len(parts) == 3 else "0.0.0.0", parts[-2]))
+    return out
 
 
 def test_compose_gpu_stack_validates():
@@ -222,6 +247,25 @@ def test_compose_gpu_stack_validates():
     assert "profiles" not in app  # plain `up` starts it
 
 
+def test_compose_publishes_on_loopback_and_locks_grafana():
+    services = compose_config(COMPOSE)["services"]
+    ports = {name: published(services[name]) for name in ("foresight", "prometheus", "grafana")}
+    assert ports == {"foresight": [("127.0.0.1", "8000")], "prometheus": [("127.0.0.1", "9090")],
+                     "grafana": [("127.0.0.1", "3000")]}
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == "test-password"
+    assert str(grafana["GF_AUTH_ANONYMOUS_ENABLED"]).lower() == "false"
+    exposed = compose_config(COMPOSE, env={**COMPOSE_ENV, "FORESIGHT_BIND_ADDRESS": "0.0.0.0",
+                                           "FORESIGHT_API_KEY": "k"})["services"]
+    assert published(exposed["foresight"]) == [("0.0.0.0", "8000")]
+    assert exposed["foresight"]["environment"]["FORESIGHT_API_KEY"] == "k"
+
+
+def test_compose_refuses_to_start_without_grafana_password():
+    proc = run_compose_config(COMPOSE, env={})
+    assert proc.returncode != 0 and "GRAFANA_ADMIN_PASSWORD" in proc.stderr
+
+
 def test_compose_cpu_override_validates():
     services = compose_config(COMPOSE, COMPOSE_CPU)["services"]
     assert services["foresight"]["profiles"] == ["gpu"]  # the GPU service is parked
@@ -230,6 +274,7 @@ def test_compose_cpu_override_validates():
     command = " ".join(cpu["command"])
     assert "--target-device cpu" in command and "--drafter-device cpu" in command
     assert "foresight" in cpu["networks"]["default"]["aliases"]  # Prometheus scrapes foresight:8000
+    assert published(cpu) == [("127.0.0.1", "8000")]
 
 
 def test_promtool_accepts_prometheus_config():

@@ -121,3 +121,33 @@ def test_streaming_with_nucleus_verification(client, live_server):
     spec = chunks[-1].usage.model_extra["speculation"]
     assert spec["nucleus_extra_accepted_tokens"] >= 0 and spec["rounds"] >= 1
     assert "foresight_nucleus_extra_accepted_tokens_total" in httpx.get(f"{live_server}/metrics").text
+
+
+def test_oversized_body_is_413_at_once_and_server_keeps_serving(live_server, client):
+    body = b'{"prompt": "' + b"x" * (5 << 20) + b'"}'  # over the default 4 MiB
+    resp = httpx.post(f"{live_server}/v1/completions", content=body, timeout=60,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == 413
+    assert httpx.get(f"{live_server}/health").status_code == 200
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("raw,param", [
+    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]}', "messages"),
+    ('{"prompt": "\\ud800"}', "prompt"),
+    ('{"prompt": "hi", "temperature": NaN}', "temperature"),
+])
+def test_malformed_text_and_numbers_are_400_not_500(live_server, raw, param):
+    path = "/v1/chat/completions" if "messages" in raw else "/v1/completions"
+    resp = httpx.post(f"{live_server}{path}", content=raw.encode(), timeout=30,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_tiny_temperature_is_greedy(client):
+    kwargs = dict(model=MODEL, prompt="The capital of France is", max_tokens=6)
+    tiny = client.completions.create(temperature=1e-40, **kwargs)
+    assert tiny.choices[0].text == client.completions.create(temperature=0, **kwargs).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, temperature=1e-40, **kwargs)
+                       if c.choices)
+    assert streamed == tiny.choices[0].text

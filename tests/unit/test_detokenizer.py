@@ -35,3 +35,94 @@ def test_stop_string_cuts_output_and_is_not_leaked(step):
     text = feed(detok, b"abc EN more ENDtail", step)
     assert text == "abc EN more "
     assert detok.stopped
+
+
+# ------------------------------------------------------------------ windowed decoding
+
+import random  # noqa: E402
+
+TRICKY = ("Héllo, wörld!  Two  spaces,\ttabs\nand lines.\n\n€uro 100 ¥, naïve café — “quotes” "
+          "日本語のテキスト 🙂👍🏽 emoji, Ωmega; def f(x):\n    return x  # indent\n")
+
+
+class PieceTokenizer:
+    """Tokens are arbitrary byte strings, so multi-byte characters split across tokens; counts the
+    tokens each decode call sees. `strip_leading_space`: decode drops one leading space, as SentencePiece
+    does at the start of a sequence."""
+
+    def __init__(self, strip_leading_space=False):
+        self.pieces: list[bytes] = []
+        self.strip = strip_leading_space
+        self.decoded: list[int] = []
+
+    def tokenize(self, text: str, rng: random.Random, max_bytes=4) -> list[int]:
+        data, ids, i = text.encode(), [], 0
+        while i < len(data):
+            n = rng.randint(1, max_bytes)
+            self.pieces.append(data[i:i + n])
+            ids.append(len(self.pieces) - 1)
+            i += n
+        return ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded.append(len(ids))
+        text = b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+        return text[1:] if self.strip and text.startswith(" ") else text
+
+
+def feed_ids(detok, ids, rng, max_step=4):
+    out, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, max_step)
+        out.append(detok.add(ids[i:i + n], final=i + n >= len(ids)))
+        i += n
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("strip", [False, True])
+def test_windowed_decoding_equals_the_full_decode(seed, strip):
+    rng = random.Random(seed)
+    tok = PieceTokenizer(strip_leading_space=strip)
+    text = (" " if strip else "") + TRICKY
+    ids = tok.tokenize(text, rng)
+    pieces = feed_ids(IncrementalDetokenizer(tok), ids, rng)
+    assert "".join(pieces) == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)  # a character is sent once all its bytes are there
+
+
+def test_work_per_step_does_not_grow_with_the_output():
+    rng = random.Random(0)
+    tok = PieceTokenizer()
+    ids = tok.tokenize(TRICKY * 40, rng)  # ~10k tokens
+    detok = IncrementalDetokenizer(tok, stop=["never-there"])
+    tok.decoded.clear()
+    feed_ids(detok, ids, rng)
+    # The window holds the tokens since the last step that ended on a character boundary: a few steps,
+    # or a run of multi-byte characters cut at random (the text's longest is 24 bytes), never the output.
+    assert max(tok.decoded) <= 24 + 2 * 4
+    assert sum(tok.decoded) <= 10 * len(ids)  # linear; decoding everything each step would be ~len(ids)**2 / 5
+
+
+@pytest.mark.parametrize("step", [1, 2, 5])
+def test_stop_string_across_multibyte_tokens(step):
+    detok = IncrementalDetokenizer(CharTokenizer(), stop=["€E"])
+    assert feed(detok, "naïve €uro €End".encode(), step) == "naïve €uro "
+    assert detok.stopped
+
+
+def test_real_tokenizer_streams_its_own_full_decode():
+    from pathlib import Path
+
+    from foresight.target_worker.loading import default_model_dir
+
+    path = default_model_dir()
+    if not (Path(path) / "tokenizer.json").is_file():
+        pytest.skip(f"the default model is not converted yet ({path}); `foresight prepare-model`")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok.encode(TRICKY, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    streamed = "".join(detok.add([t], final=i == len(ids) - 1) for i, t in enumerate(ids))
+    assert streamed == tok.decode(ids, skip_special_tokens=True)

@@ -42,3 +42,96 @@ def test_schema_rejects_out_of_range(field, value):
     with pytest.raises(ValidationError) as info:
         CompletionRequest(prompt="x", **{field: value})
     assert info.value.errors()[0]["loc"][0] == field
+
+
+def test_tiny_temperatures_are_greedy():
+    r = runner()
+    for t, expected in ((1e-40, 0.0), (0.0, 0.0), (0.7, 0.7)):
+        assert r.build(CompletionRequest(prompt=[1], temperature=t), [1], "prompt").sampling.temperature == expected
+
+
+# ------------------------------------------------------------------ the real EngineClient, no workers
+
+
+class RecordingSocket:
+    def __init__(self):
+        self.sent = []
+
+    async def send(self, msg):
+        self.sent.append(msg)
+
+    def reset(self):
+        pass
+
+
+def engine_client(max_running=1):
+    import shutil
+    from pathlib import Path
+
+    from foresight.server.engine_client import EngineClient
+
+    engine = EngineClient(EngineConfig(), max_running=max_running, max_waiting=4)
+    engine.send_to_target.socket.close(linger=0)
+    engine.send_to_target = RecordingSocket()
+    engine.supervisor.healthy = True
+
+    def close():
+        engine.ctx.destroy(linger=0)
+        shutil.rmtree(Path(engine.addrs.api_to_target.removeprefix("ipc://")).parent, ignore_errors=True)
+    return engine, close
+
+
+def gen_request(req_id="r1"):
+    from foresight.protocol.messages import GenerateRequest, SamplingParams
+
+    return GenerateRequest(req_id=req_id, prompt_ids=[1, 2], max_tokens=4, sampling=SamplingParams())
+
+
+def test_slot_is_freed_when_the_worker_finishes_not_when_the_client_reads():
+    import asyncio
+
+    from foresight.protocol.messages import AbortRequest, TokenOutput
+
+    async def go():
+        engine, close = engine_client()
+        try:
+            gen = engine.generate(gen_request())
+            first = asyncio.ensure_future(anext(gen))
+            while "r1" not in engine.queues:
+                await asyncio.sleep(0)
+            engine.queues["r1"].put_nowait(TokenOutput(req_id="r1", token_ids=[5], finished=True,
+                                                      finish_reason="length"))
+            assert (await first).finished
+            # The consumer has not come back for more (a slow client): the slot is free already.
+            assert engine.running == 0 and not engine.slots.locked() and "r1" not in engine.queues
+            await gen.aclose()
+            assert engine.running == 0 and engine.slots._value == 1
+            assert not any(isinstance(m, AbortRequest) for m in engine.send_to_target.sent)
+        finally:
+            close()
+    asyncio.run(go())
+
+
+def test_leaving_an_unfinished_request_aborts_it_and_frees_the_slot():
+    import asyncio
+
+    from foresight.protocol.messages import AbortRequest, TokenOutput
+
+    async def go():
+        engine, close = engine_client()
+        try:
+            gen = engine.generate(gen_request())
+            first = asyncio.ensure_future(anext(gen))
+            while "r1" not in engine.queues:
+                await asyncio.sleep(0)
+            engine.queues["r1"].put_nowait(TokenOutput(req_id="r1", token_ids=[5]))
+            await first
+            second = asyncio.ensure_future(anext(gen))
+            await asyncio.sleep(0)
+            second.cancel()  # what the api does when the client leaves or the time is up
+            await asyncio.wait({second})
+            assert engine.running == 0 and engine.slots._value == 1
+            assert [m.req_id for m in engine.send_to_target.sent if isinstance(m, AbortRequest)] == ["r1"]
+        finally:
+            close()
+    asyncio.run(go())

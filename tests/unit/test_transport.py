@@ -386,3 +386,40 @@ def test_cuda_slot_acknowledgement_flags():
 def test_cuda_descriptor_without_cuda_is_rejected():
     with pytest.raises(ProtocolError, match="without CUDA"):
         TensorTransport().unpack({"p": "cuda", "d": "float32", "s": [2], "gpu": "GPU-x", "z": 8}, [])
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "foresight_../x", "other_1_2_abcd",
+                                  "foresight_", "foresight_1/2", "foresight_1.2", 42, None, "foresight_" + "a" * 200])
+def test_shm_names_from_messages_are_checked_before_any_file_access(name, tmp_path, monkeypatch):
+    from foresight.protocol import transport
+
+    touched = []
+    monkeypatch.setattr(transport.os, "unlink", lambda path: touched.append(path))
+    monkeypatch.setattr(transport, "_open_shm", lambda *a, **k: touched.append(a))
+    with pytest.raises(ProtocolError, match="shared memory"):
+        TensorTransport().unpack({"p": "shm", "d": "uint8", "s": [4], "n": name, "z": 4}, [])
+    with pytest.raises(ProtocolError, match="shared memory"):
+        TensorTransport().discard({"p": "shm", "n": name})
+    assert touched == []
+
+
+def test_own_shm_names_pass_the_check():
+    from foresight.protocol.transport import check_shm_name
+
+    assert check_shm_name(f"foresight_{os.getpid()}_3_0a1b2c3d") and check_shm_name("foresight_12_cuda_ab12")
+
+
+def test_cuda_ack_checks_ring_name_and_slot():
+    from foresight.protocol.transport import _open_shm, _shm_unlink
+
+    with pytest.raises(ProtocolError):
+        TensorTransport().discard({"p": "cuda", "ring": "../../dev/null", "slot": 0})
+    name = f"foresight_{os.getpid()}_cuda_slotcheck"
+    flags = _open_shm(name, 2, create=True)
+    try:
+        for slot in (-1, 2, "0"):
+            with pytest.raises(ProtocolError):
+                TensorTransport().discard({"p": "cuda", "ring": name, "slot": slot})
+    finally:
+        flags.close()
+        _shm_unlink(name)

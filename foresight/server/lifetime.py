@@ -1,0 +1,70 @@
+"""Work follows the client: a request's engine work ends when its client leaves or its time is up.
+
+`guarded` re-yields a request's events while watching a deadline and, for non-streaming requests, the
+connection (a streaming response notices a disconnect by itself: Starlette cancels it). Each step of
+the inner iterator runs in its own task, so giving up is a plain cancel of that task: the cancellation
+unwinds the engine's generator, whose `finally` aborts the request in the target worker.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from .errors import ClientGone, RequestTimedOut
+
+POLL_S = 0.25  # how often a waiting non-streaming request checks its connection
+
+
+async def _next(it: AsyncIterator):
+    return await anext(it)
+
+
+async def _wait(step: asyncio.Future, deadline: float | None, disconnected, poll_s: float) -> None:
+    """Until `step` is done; raise RequestTimedOut past `deadline`, ClientGone once `disconnected()`."""
+    loop = asyncio.get_running_loop()
+    while True:
+        timeout = poll_s if disconnected is not None else None
+        if deadline is not None:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise RequestTimedOut()
+            timeout = left if timeout is None else min(timeout, left)
+        done, _ = await asyncio.wait({step}, timeout=timeout)
+        if done:
+            return
+        if disconnected is not None and await disconnected():
+            raise ClientGone()
+
+
+async def guarded(events: AsyncIterator, deadline: float | None = None,
+                  disconnected: Callable[[], Awaitable[bool]] | None = None,
+                  poll_s: float = POLL_S) -> AsyncIterator:
+    """Re-yield `events`; `deadline` is in `loop.time()` seconds (None: none)."""
+    if deadline is None and disconnected is None:
+        try:
+            async for item in events:  # nothing to watch: no task per step
+                yield item
+        finally:
+            await events.aclose()
+        return
+    it = aiter(events)
+    step: asyncio.Future | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(_next(it))
+            try:
+                await _wait(step, deadline, disconnected, poll_s)
+            except (RequestTimedOut, ClientGone):
+                step.cancel()
+                await asyncio.wait({step})  # the engine has sent its abort before we answer
+                raise
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if step is not None and not step.done():
+            step.cancel()  # we were cancelled from outside: the step's task unwinds the inner iterator
+        else:
+            await it.aclose()

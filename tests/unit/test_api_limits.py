@@ -1,0 +1,282 @@
+"""The api's guards against a fake engine: body size, malformed fields, the client's lifetime, timeouts,
+the API key and what an internal failure tells the client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from foresight.config import ConfigError, ServerConfig
+from foresight.server.openai_schemas import MAX_MESSAGES
+from support.fake_engine import MODEL, ByteTokenizer, FakeEngine, call, outputs_for, running_app, worker_error
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 8}
+FIRST_PIECE_ONLY = lambda request: outputs_for("hello world")[:1]  # noqa: E731 ("hello "; then it hangs)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def assert_openai_error(reply, status: int, param=None) -> dict:
+    assert reply.status == status, reply.body
+    err = reply.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["code"] == status
+    assert err["param"] == param
+    return err
+
+
+# ------------------------------------------------------------------ body size
+
+
+def test_declared_oversized_body_is_413_unread_and_health_answers():
+    async def go():
+        engine = FakeEngine()
+        async with running_app(engine, max_request_bytes=4096) as app:
+            big = {**COMPLETION, "prompt": "x" * 10_000}
+            reply = await call(app, "POST", "/v1/completions", big)
+            assert_openai_error(reply, 413)
+            assert (await call(app, "GET", "/health")).status == 200
+            assert engine.requests == []
+            ok = await call(app, "POST", "/v1/completions", COMPLETION)
+            assert ok.status == 200 and ok.json()["choices"][0]["text"] == "hello world"
+    run(go())
+
+
+def test_chunked_body_is_cut_off_at_the_limit():
+    sent = []
+
+    async def chunks():
+        for _ in range(1000):  # 1 MB if it were all read
+            sent.append(1)
+            yield b" " * 1024
+
+    async def go():
+        async with running_app(max_request_bytes=8192) as app:
+            reply = await call(app, "POST", "/v1/completions", chunks=chunks())
+            assert_openai_error(reply, 413)
+    run(go())
+    assert len(sent) <= 9  # read no further than the limit
+
+
+def test_health_answers_while_a_body_is_still_arriving():
+    async def go():
+        release = asyncio.Event()
+
+        async def slow():
+            yield b'{"prompt": "hi", '
+            await release.wait()
+            yield b'"max_tokens": 4}'
+
+        async with running_app() as app:
+            pending = asyncio.create_task(call(app, "POST", "/v1/completions", chunks=slow()))
+            health = await asyncio.wait_for(call(app, "GET", "/health"), 10)
+            assert health.status == 200 and not pending.done()
+            release.set()
+            assert (await pending).status == 200
+    run(go())
+
+
+# ------------------------------------------------------------------ malformed fields
+
+BAD = [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "\\udfff", "content": "hi"}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": 5}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": "hi"}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', "top_p"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}', "max_tokens"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "stop": "\\ud800"}', "stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "model": 7}', "model"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "stream_options": 5}', "stream_options"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_k": 1e30}', "top_k"),
+    ("/v1/completions", '{"prompt": "\\ud800"}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "\\ud800x"]}', "prompt"),
+    ("/v1/completions", '{"prompt": [1, "a"]}', "prompt"),
+    ("/v1/completions", '{"prompt": [-1, 2]}', "prompt"),
+    ("/v1/completions", '{"prompt": 12}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "seed": -1}', "seed"),
+    ("/v1/completions", '[1, 2]', None),
+    ("/v1/completions", '{"prompt": "hi"', None),
+]
+
+
+@pytest.mark.parametrize("path,raw,param", BAD)
+def test_malformed_field_is_400_naming_it(path, raw, param):
+    async def go():
+        engine = FakeEngine()
+        async with running_app(engine) as app:
+            reply = await call(app, "POST", path, raw)
+            err = assert_openai_error(reply, 400, param)
+            assert err["type"] == "invalid_request_error"
+            assert engine.requests == []
+    run(go())
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("stop", ["s"] * 17, "at most 16"), ("stop", ["x" * 257], "at most 256"),
+    ("messages", [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1), str(MAX_MESSAGES)),
+])
+def test_request_limits(field, value, message):
+    async def go():
+        async with running_app() as app:
+            reply = await call(app, "POST", "/v1/chat/completions", {**CHAT, field: value})
+            assert message in assert_openai_error(reply, 400, field)["message"]
+    run(go())
+
+
+# The byte tokenizer's longest token is "<eos>": 64 tokens hold at most 64 * 5 characters.
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {**COMPLETION, "prompt": "x" * 321}, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "y" * 330}]}, "messages"),
+])
+def test_prompt_too_long_in_characters_is_400_before_tokenizing(path, body, param):
+    async def go():
+        tok = ByteTokenizer()
+        async with running_app(FakeEngine(max_model_len=64), tokenizer=tok) as app:
+            reply = await call(app, "POST", path, body)
+            assert "characters" in assert_openai_error(reply, 400, param)["message"]
+        assert tok.calls == []
+    run(go())
+
+
+def test_tokenizing_runs_off_the_event_loop():
+    async def go():
+        tok = ByteTokenizer()
+        async with running_app(tokenizer=tok) as app:
+            assert (await call(app, "POST", "/v1/completions", COMPLETION)).status == 200
+            assert (await call(app, "POST", "/v1/chat/completions", CHAT)).status == 200
+        return tok.calls
+    calls = run(go())
+    assert [c[0] for c in calls] == ["encode", "template"]
+    assert all(thread != threading.get_ident() for _, thread in calls)
+
+
+def test_tiny_temperature_is_greedy():
+    async def go():
+        engine = FakeEngine()
+        async with running_app(engine) as app:
+            for body in ({**CHAT, "temperature": 1e-40}, {**CHAT, "temperature": 1e-40, "stream": True}):
+                assert (await call(app, "POST", "/v1/chat/completions", body)).status == 200
+        return [r.sampling.temperature for r in engine.requests]
+    assert run(go()) == [0.0, 0.0]
+
+
+# ------------------------------------------------------------------ the client's lifetime
+
+
+def test_non_streaming_disconnect_aborts_the_engine_request():
+    async def go():
+        engine = FakeEngine(script=FIRST_PIECE_ONLY, hang=True)
+        async with running_app(engine) as app:
+            gone = asyncio.Event()
+            pending = asyncio.create_task(call(app, "POST", "/v1/completions", COMPLETION, gone=gone))
+            while not engine.requests:
+                await asyncio.sleep(0.01)
+            gone.set()
+            await asyncio.wait_for(pending, 10)
+            assert engine.aborted == [engine.requests[0].req_id]
+            text = (await call(app, "GET", "/metrics")).body.decode()
+            assert f'foresight_request_success_total{{finished_reason="abort",model_name="{MODEL}"}} 1.0' in text
+    run(go())
+
+
+def test_request_timeout_non_streaming_is_504_and_aborts():
+    async def go():
+        engine = FakeEngine(script=FIRST_PIECE_ONLY, hang=True)
+        async with running_app(engine, request_timeout_s=0.2) as app:
+            reply = await asyncio.wait_for(call(app, "POST", "/v1/completions", COMPLETION), 10)
+            assert assert_openai_error(reply, 504)["type"] == "timeout_error"
+            assert engine.aborted == [engine.requests[0].req_id]
+    run(go())
+
+
+def test_request_timeout_streaming_ends_with_an_error_event_then_done():
+    async def go():
+        engine = FakeEngine(script=FIRST_PIECE_ONLY, hang=True)
+        async with running_app(engine, request_timeout_s=0.2) as app:
+            reply = await asyncio.wait_for(call(app, "POST", "/v1/completions", {**COMPLETION, "stream": True}), 10)
+            assert reply.status == 200
+            events = reply.events()
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[0])["choices"][0]["text"] == "hello "
+            err = json.loads(events[-2])["error"]
+            assert err["type"] == "timeout_error" and err["code"] == 504
+            assert engine.aborted == [engine.requests[0].req_id]
+    run(go())
+
+
+def test_timeout_config_is_validated():
+    with pytest.raises(ConfigError):
+        ServerConfig(request_timeout_s=-1)
+    with pytest.raises(ConfigError):
+        ServerConfig(max_request_bytes=10)
+
+
+# ------------------------------------------------------------------ API key
+
+
+def test_api_key_guards_v1_only():
+    async def go():
+        async with running_app(api_key="s3cret") as app:
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+                reply = await call(app, "POST", "/v1/completions", COMPLETION, headers=headers)
+                assert assert_openai_error(reply, 401)["type"] == "authentication_error"
+            assert (await call(app, "GET", "/v1/models")).status == 401
+            ok = await call(app, "POST", "/v1/completions", COMPLETION, headers={"authorization": "Bearer s3cret"})
+            assert ok.status == 200
+            assert (await call(app, "GET", "/health")).status == 200
+            assert (await call(app, "GET", "/metrics")).status == 200
+    run(go())
+
+
+def test_api_key_from_flag_or_environment(monkeypatch):
+    from foresight.server.cli import build_parser
+    from foresight.config import engine_from_args, server_from_args
+
+    def cfg(*argv):
+        args = build_parser().parse_args(["serve", *argv])
+        return server_from_args(args, engine_from_args(args))
+
+    monkeypatch.delenv("FORESIGHT_API_KEY", raising=False)
+    assert cfg().api_key is None
+    monkeypatch.setenv("FORESIGHT_API_KEY", "from-env")
+    assert cfg().api_key == "from-env"
+    assert cfg("--api-key", "flag").api_key == "flag"
+    c = cfg("--max-request-bytes", "2048", "--request-timeout", "30")
+    assert (c.max_request_bytes, c.request_timeout_s) == (2048, 30.0)
+
+
+# ------------------------------------------------------------------ internal failures
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("exc", [RuntimeError("secret /opt/weights shape [3, 4]"),
+                                 worker_error("IndexError: secret index 7 is out of bounds")])
+def test_internal_errors_are_generic_to_the_client(exc, stream, caplog):
+    async def go():
+        async with running_app(FakeEngine(fail=exc)) as app:
+            return await call(app, "POST", "/v1/completions", {**COMPLETION, "stream": stream})
+    with caplog.at_level("ERROR", logger="foresight.server"):
+        reply = run(go())
+    if stream:
+        assert reply.status == 200 and reply.events()[-1] == "[DONE]"
+        err = json.loads(reply.events()[-2])["error"]
+    else:
+        err = assert_openai_error(reply, 500)
+    assert "secret" not in err["message"] and "request id" in err["message"]
+    rid = err["message"].split("request id ")[1].split(")")[0]
+    assert any(rid in r.getMessage() and "secret" in (r.getMessage() + str(r.exc_info)) for r in caplog.records)
+
+
+def test_worker_verdict_on_input_is_passed_on():
+    async def go():
+        async with running_app(FakeEngine(fail=worker_error("refinement must be one of none", 400))) as app:
+            return await call(app, "POST", "/v1/completions", COMPLETION)
+    assert "refinement" in assert_openai_error(run(go()), 400)["message"]
