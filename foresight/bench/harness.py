@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -170,29 +171,42 @@ def refinement_runs(args: argparse.Namespace, cfg: EngineConfig) -> list[Run]:
             for v in dict.fromkeys(values)]
 
 
+@contextlib.asynccontextmanager
+async def engine_session(cfg: EngineConfig, name: str):
+    """The engine's worker processes for one run: yields (engine, request runner, drafter info)."""
+    tokenizer = load_tokenizer(resolve_target(cfg.target))
+    engine = EngineClient(cfg)
+    await engine.start()
+    try:
+        runner = RequestRunner(engine, tokenizer, name, engine.target_info()["max_model_len"])
+        yield engine, runner, dict(engine.drafter_info())  # a copy: stop() forgets it
+    finally:
+        await engine.stop()
+
+
+async def run_interleaved(engine: EngineClient, requests: list[GenerateRequest], runs: list[Run],
+                          tallies: dict[str, ModeTally], name: str) -> None:
+    """Every run on every request, run by run within a request, after one warm-up request."""
+    await run_one(engine, request_for_run(requests[0], runs[0], "warmup"), ModeTally())
+    for i, request in enumerate(requests):
+        for run in runs:
+            await run_one(engine, request_for_run(request, run, str(i)), tallies[run.label])
+        print(f"[{name}] prompt {i + 1}/{len(requests)} done", flush=True)
+
+
 async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     mode_runs, nucleus_runs = plan_runs(args, cfg)
     refine_runs = refinement_runs(args, cfg)
     runs = mode_runs + nucleus_runs + refine_runs
     items = load_prompts(args.prompts, args.limit)
-    tokenizer = load_tokenizer(resolve_target(cfg.target))
-    engine = EngineClient(cfg)
-    await engine.start()
-    try:
-        runner = RequestRunner(engine, tokenizer, "bench", engine.target_info()["max_model_len"])
-        drafter = engine.drafter_info().get("proposer", cfg.drafter)  # read before stop() forgets it
-        decoder_layers = engine.drafter_info().get("decoder_layers")  # the depth in use, resolved by the drafter
-        if any(r.mode == "pipelined" for r in runs) and not engine.drafter_info().get("supports_foresight"):
+    async with engine_session(cfg, "bench") as (engine, runner, info):
+        drafter = info.get("proposer", cfg.drafter)
+        decoder_layers = info.get("decoder_layers")  # the depth in use, resolved by the drafter
+        if any(r.mode == "pipelined" for r in runs) and not info.get("supports_foresight"):
             raise ConfigError(f"modes: pipelined needs a drafter that supports foresight; {drafter!r} does not")
         requests = build_requests(runner, items, args)
         tallies = {r.label: ModeTally() for r in runs}
-        await run_one(engine, request_for_run(requests[0], runs[0], "warmup"), ModeTally())
-        for i, request in enumerate(requests):
-            for run in runs:
-                await run_one(engine, request_for_run(request, run, str(i)), tallies[run.label])
-            print(f"[bench] prompt {i + 1}/{len(requests)} done", flush=True)
-    finally:
-        await engine.stop()
+        await run_interleaved(engine, requests, runs, tallies, "bench")
     ar = tallies["ar"].outputs if "ar" in tallies else None
     summary = {r.label: tallies[r.label].summary(r.mode, ar) for r in mode_runs}
     for label, fields in numerics_probe(cfg, args, requests, mode_runs, tallies).items():

@@ -18,11 +18,9 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, EngineConfig
-from ..server.engine_client import EngineClient
-from ..server.serving import RequestRunner
 from ..target_worker.loading import load_target, load_tokenizer, resolve_target
 from . import humaneval_check
-from .harness import ModeTally, Run, request_for_run, build_requests, machine_info, run_one
+from .harness import ModeTally, Run, build_requests, engine_session, machine_info, run_interleaved
 from .prompts import humaneval_chat, humaneval_problems
 from .report import write_quality_chart
 
@@ -98,21 +96,11 @@ async def generate(args: argparse.Namespace, cfg: EngineConfig, problems: list[d
     """All settings on all problems through the engine; returns the answers, prompt ids and drafter name."""
     runs = [Run(s.key, cfg.mode, s.verification, s.theta if s.theta is not None else cfg.nucleus_threshold)
             for s in settings]
-    tokenizer = load_tokenizer(resolve_target(cfg.target))
-    engine = EngineClient(cfg)
-    await engine.start()
-    try:
-        runner = RequestRunner(engine, tokenizer, "eval-quality", engine.target_info()["max_model_len"])
-        drafter = engine.drafter_info().get("proposer", cfg.drafter)  # read before stop() forgets it
+    async with engine_session(cfg, "eval-quality") as (engine, runner, info):
+        drafter = info.get("proposer", cfg.drafter)
         requests = build_requests(runner, [humaneval_chat(p) for p in problems], args)
         answers = [Answers(run, ModeTally()) for run in runs]
-        await run_one(engine, request_for_run(requests[0], runs[0], "warmup"), ModeTally())
-        for i, request in enumerate(requests):
-            for a in answers:
-                await run_one(engine, request_for_run(request, a.run, str(i)), a.tally)
-            print(f"[eval-quality] problem {i + 1}/{len(requests)} done", flush=True)
-    finally:
-        await engine.stop()
+        await run_interleaved(engine, requests, runs, {a.run.label: a.tally for a in answers}, "eval-quality")
     return answers, [r.prompt_ids for r in requests], drafter
 
 

@@ -46,7 +46,7 @@ def test_cli_reports_a_bad_setting_in_one_line_before_loading_models(monkeypatch
     def load(*args, **kwargs):
         raise AssertionError("the engine started before the settings were checked")
 
-    monkeypatch.setattr("foresight.bench.quality.EngineClient", load)
+    monkeypatch.setattr("foresight.bench.harness.EngineClient", load)
     assert cli.main(["eval-quality", "--verification", "exact,nucleus@2", "--out", "/dev/null"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("foresight: error: --verification") and "\n" not in err
