@@ -27,6 +27,7 @@ from ..server.serving import RequestRunner
 from ..target_worker.loading import load_target, load_tokenizer, resolve_dtype, resolve_target
 from ..target_worker.runner import TargetRunner
 from . import numerics
+from .peers import HfPeers, plan_peers
 from .prompts import load_prompts
 from .report import write_chart
 
@@ -42,6 +43,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nucleus-thresholds", default="",
                    help="also run the last speculative mode with nucleus verification at these thetas "
                         "(e.g. 0.8,0.9,0.95) and compare with exact verification")
+    g.add_argument("--peers", default="",
+                   help="also run these peers on the same prompts, interleaved (hf: transformers' generate, "
+                        "plain and with prompt lookup, with the workers' thread count and with one thread)")
     g.add_argument("--refinement-ablation", default="",
                    help="also run pipelined mode with each of these self-refinement modes (e.g. none,refresh,anchor) "
                         "and report them side by side (section 'refinement')")
@@ -185,12 +189,15 @@ async def engine_session(cfg: EngineConfig, name: str):
 
 
 async def run_interleaved(engine: EngineClient, requests: list[GenerateRequest], runs: list[Run],
-                          tallies: dict[str, ModeTally], name: str) -> None:
-    """Every run on every request, run by run within a request, after one warm-up request."""
+                          tallies: dict[str, ModeTally], name: str, peers: HfPeers | None = None) -> None:
+    """Every run (then every peer) on every request, one after the other within a request, after one
+    warm-up request."""
     await run_one(engine, request_for_run(requests[0], runs[0], "warmup"), ModeTally())
     for i, request in enumerate(requests):
         for run in runs:
             await run_one(engine, request_for_run(request, run, str(i)), tallies[run.label])
+        if peers is not None:
+            peers.run_all(request)
         print(f"[{name}] prompt {i + 1}/{len(requests)} done", flush=True)
 
 
@@ -199,6 +206,8 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     refine_runs = refinement_runs(args, cfg)
     runs = mode_runs + nucleus_runs + refine_runs
     items = load_prompts(args.prompts, args.limit)
+    planned = plan_peers(getattr(args, "peers", ""), cfg)
+    peers = HfPeers(cfg, planned) if planned else None
     async with engine_session(cfg, "bench") as (engine, runner, info):
         drafter = info.get("proposer", cfg.drafter)
         decoder_layers = info.get("decoder_layers")  # the depth in use, resolved by the drafter
@@ -206,7 +215,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
             raise ConfigError(f"modes: pipelined needs a drafter that supports foresight; {drafter!r} does not")
         requests = build_requests(runner, items, args)
         tallies = {r.label: ModeTally() for r in runs}
-        await run_interleaved(engine, requests, runs, tallies, "bench")
+        await run_interleaved(engine, requests, runs, tallies, "bench", peers)
     ar = tallies["ar"].outputs if "ar" in tallies else None
     summary = {r.label: tallies[r.label].summary(r.mode, ar) for r in mode_runs}
     for label, fields in numerics_probe(cfg, args, requests, mode_runs, tallies).items():
@@ -229,6 +238,8 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
         report["nucleus"] = nucleus_section(mode_runs, nucleus_runs, tallies)
     if refine_runs:
         report["refinement"] = refinement_section(refine_runs, tallies, ar)
+    if peers is not None:
+        report["peers"] = peers.section(ar, summary)
     return report
 
 
@@ -328,7 +339,7 @@ def run_bench(args: argparse.Namespace, cfg: EngineConfig) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     write_chart(report, out.with_suffix(".png"))
-    shown = {k: report[k] for k in ("modes", "ratios", "nucleus", "refinement") if k in report}
+    shown = {k: report[k] for k in ("modes", "ratios", "nucleus", "refinement", "peers") if k in report}
     print(json.dumps(shown, indent=2))
     print(f"[bench] report: {out} (chart {out.with_suffix('.png')})")
     return 0

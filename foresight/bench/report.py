@@ -11,11 +11,16 @@ def write_chart(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     modes = list(report["modes"])
-    tps = [report["modes"][m]["tokens_per_s"] or 0.0 for m in modes]
+    peers = list(report.get("peers", {}))
     tau = [report["modes"][m]["tau"] or 0.0 for m in modes]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-    ax1.bar(modes, tps, color="tab:blue")
+    # Speed bars: the modes, then the peers (other software on the same prompts), greyed.
+    names = modes + peers
+    tps = [report["modes"][m]["tokens_per_s"] or 0.0 for m in modes] + \
+          [report["peers"][p]["tokens_per_s"] or 0.0 for p in peers]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9 + 0.8 * len(peers), 3.5))
+    ax1.bar(names, tps, color=["tab:blue"] * len(modes) + ["tab:gray"] * len(peers))
     ax1.set_title("tokens / s")
+    ax1.tick_params(axis="x", labelrotation=30 if peers else 0)
     for i, v in enumerate(tps):
         ax1.text(i, v, f"{v:.1f}", ha="center", va="bottom")
     ax2.bar(modes, tau, color="tab:green")

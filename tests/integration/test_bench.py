@@ -26,13 +26,14 @@ def test_bench_report(tmp_path):
     ]))
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "foresight.server.cli", "bench", "--prompts", str(prompts), "--modes", "ar,sync,pipelined",
-           "--max-tokens", "24", "--temperature", "0", "--nucleus-thresholds", "0.9", "--refinement-ablation", "none",
+           "--max-tokens", "24", "--temperature", "0", "--nucleus-thresholds", "0.9", "--refinement-ablation", "none", "--peers", "hf",
            "--dtype", suite_dtype(), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 1000
-    assert set(report) >= {"model", "drafter", "machine", "settings", "modes", "ratios", "nucleus", "refinement"}
+    assert set(report) >= {"model", "drafter", "machine", "settings", "modes", "ratios", "nucleus", "refinement",
+                           "peers"}
     assert set(report["modes"]) == {"ar", "sync", "pipelined"}
     assert report["drafter"] == "jetspec++"  # the shipped checkpoint, with its adapter
     assert report["settings"]["decoder_layers"] == 15  # the shipped adapter's recommendation, as resolved
@@ -49,6 +50,11 @@ def test_bench_report(tmp_path):
     assert all(report["ratios"][r] > 0 for r in ("sync_vs_ar", "pipelined_vs_sync", "pipelined_vs_ar"))
     if resolved_suite_dtype() == torch.float32:
         assert report["refinement"]["none"]["outputs_match_ar"] == 1.0
+    assert set(report["peers"]) == {"hf@2t", "hf@1t", "hf-pld@2t", "hf-pld@1t"}
+    for peer in report["peers"].values():
+        assert peer["tokens_per_s"] > 0 and set(peer["modes_vs_peer"]) == {"ar", "sync", "pipelined"}
+        if resolved_suite_dtype() == torch.float32:
+            assert peer["outputs_match_ar"] == 1.0  # transformers' greedy = ours, token for token
     nucleus = report["nucleus"]
     assert set(nucleus) == {"exact", "nucleus@0.9"}
     assert nucleus["exact"]["outputs_differ_from_exact"] == 0.0
