@@ -34,7 +34,7 @@ from .report import write_chart
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("benchmark")
-    g.add_argument("--prompts", required=True, help="JSONL file ({'prompt'} or {'messages'} per line) or 'humaneval'")
+    g.add_argument("--prompts", required=True, help="JSONL file ({'prompt'} or {'messages'} per line), 'humaneval' or 'chat'")
     g.add_argument("--modes", default="ar,sync", help="comma-separated subset of ar,sync,pipelined")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--max-tokens", type=int, default=128)

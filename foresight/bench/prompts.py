@@ -11,9 +11,20 @@ from ..config import ConfigError
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
 
 
+# The project's own general chat evaluation set: 78 everyday requests over 12 kinds (explanations, advice,
+# stories and letters, summaries, role-play, puzzles, arithmetic, code, data extraction, science, history
+# and culture, rewriting), 6 of them two-turn. Written for this project; kept out of training data
+# (training/corpus.py decontaminates against it). Lines are interleaved by kind, so --limit N samples all.
+CHAT_SET = Path(__file__).with_name("data") / "chat.jsonl"
+NAMED_SETS = ("humaneval", "chat")
+
+
 def load_prompts(source: str, limit: int | None = None) -> list[dict]:
-    """Each item is {"prompt": str} or {"messages": [...]}; `source` is a JSONL path or `humaneval`."""
-    items = humaneval_prompts() if source == "humaneval" else _read_jsonl(Path(source))
+    """Each item is {"prompt": str} or {"messages": [...]}; `source` is a JSONL path, `humaneval` or `chat`."""
+    if source == "humaneval":
+        items = humaneval_prompts()
+    else:
+        items = _read_jsonl(CHAT_SET if source == "chat" else Path(source))
     for i, item in enumerate(items):
         if not isinstance(item, dict) or not ({"prompt", "messages"} & item.keys()):
             raise ConfigError(f"prompts: line {i + 1} needs a 'prompt' or a 'messages' field")
@@ -25,6 +36,10 @@ def _read_jsonl(path: Path) -> list[dict]:
         raise ConfigError(f"prompts: {path} does not exist")
     with path.open() as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def chat_prompts() -> list[dict]:
+    return _read_jsonl(CHAT_SET)
 
 
 def humaneval_prompts() -> list[dict]:

