@@ -98,6 +98,7 @@ class EngineConfig:
 
 
 API_KEY_ENV = "FORESIGHT_API_KEY"
+MIN_HEARTBEAT_TIMEOUT_S = 2.0  # four heartbeat intervals: one late beat must not look like a hang
 
 
 @dataclass(slots=True)
@@ -109,7 +110,16 @@ class ServerConfig:
     max_running: int = 16  # requests the target interleaves at once
     max_waiting: int = 64  # beyond this the api answers 429
     startup_timeout_s: float = 600.0
-    max_restarts: int = 5
+    max_restarts: int = 5  # per worker within restart_window_s; past that the api exits non-zero
+    restart_window_s: float = 600.0
+    # A worker whose heartbeats stop this long (stopped, frozen, dead) is hung: killed and restarted. Its
+    # beats come from a thread every 0.5 s, so long steps do not count against this.
+    heartbeat_timeout_s: float = 5.0
+    # A worker whose loop has not turned this long is stuck in one step: hung too. Must exceed the longest
+    # legitimate step (the prefill of the longest prompt: about a minute for 8k tokens on one CPU core).
+    # 0 = never judged.
+    stall_timeout_s: float = 300.0
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests get to finish
     # A body is refused (413) past this size, read no further: one huge body must not stall the api.
     max_request_bytes: int = 4 << 20
     request_timeout_s: float = 0.0  # wall-clock limit per request from its arrival; 0 = none
@@ -127,6 +137,19 @@ class ServerConfig:
             raise ConfigError("request_timeout must be a finite number of seconds >= 0 (0 = no timeout)")
         if self.api_key is not None and (not self.api_key.strip() or not self.api_key.isprintable()):
             raise ConfigError("api_key must be non-empty printable text")
+        if self.max_restarts < 0:
+            raise ConfigError("max_restarts must be >= 0")
+        if not 0.0 < self.restart_window_s < float("inf"):
+            raise ConfigError("restart_window must be a finite number of seconds > 0")
+        if not MIN_HEARTBEAT_TIMEOUT_S <= self.heartbeat_timeout_s < float("inf"):
+            raise ConfigError(f"heartbeat_timeout must be a finite number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S:g} "
+                              f"(workers beat every 0.5 s)")
+        if not (self.stall_timeout_s == 0 or self.heartbeat_timeout_s <= self.stall_timeout_s < float("inf")):
+            raise ConfigError("stall_timeout must be 0 (off) or a finite number of seconds >= heartbeat_timeout")
+        if not 0.0 <= self.drain_timeout_s < float("inf"):
+            raise ConfigError("drain_timeout must be a finite number of seconds >= 0")
+        if not 0.0 < self.startup_timeout_s < float("inf"):
+            raise ConfigError("startup_timeout must be a finite number of seconds > 0")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -193,6 +216,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
                    help="seconds a request may take from arrival, queueing included; then it is aborted "
                         "(504, or an error event in a stream). 0 = no limit")
+    g.add_argument("--max-restarts", type=int, default=d.max_restarts,
+                   help="restarts per worker within --restart-window; past that the server exits with status 1 "
+                        "(for compose / Kubernetes to restart it)")
+    g.add_argument("--restart-window", type=float, default=d.restart_window_s, help="seconds (default 600)")
+    g.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,
+                   help="seconds without a heartbeat after which a worker counts as hung (stopped, frozen) and "
+                        "is restarted; a hung drafter: requests go on without drafts meanwhile (default 5)")
+    g.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
+                   help="seconds a worker's loop may spend in one step (e.g. the prefill of a long prompt) "
+                        "before it counts as stuck and is restarted; 0 = never (default 300)")
+    g.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                   help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are "
+                        "stopped with an error; then the server exits 0 (default 30)")
     g.add_argument("--api-key", default=None,
                    help=f"require `Authorization: Bearer <key>` on /v1/* (default: ${API_KEY_ENV}; "
                         "/health and /metrics stay open)")
@@ -204,4 +240,7 @@ def server_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerCo
     return ServerConfig(host=args.host, port=args.port, max_running=args.max_running,
                         max_waiting=args.max_waiting, startup_timeout_s=args.startup_timeout,
                         max_request_bytes=args.max_request_bytes, request_timeout_s=args.request_timeout,
-                        api_key=api_key, engine=engine)
+                        api_key=api_key, max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+                        heartbeat_timeout_s=args.heartbeat_timeout, stall_timeout_s=args.stall_timeout,
+                        drain_timeout_s=args.drain_timeout,
+                        engine=engine)

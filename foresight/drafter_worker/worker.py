@@ -22,8 +22,8 @@ import zmq
 from ..config import EngineConfig
 from ..protocol.addresses import WorkerAddresses
 from ..protocol.messages import DraftBlock, Outcome, ReleaseDraft, Shutdown, StartDraft, WorkerReady
+from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
 from ..protocol.sockets import MessageSocket
-from ..protocol.liveness import report_death
 from .ngram import NgramProposer
 from .proposer import DraftContext, Proposer
 from .speculation_cache import SpeculationCache
@@ -75,7 +75,8 @@ class DrafterWorker:
     def __init__(self, cfg: EngineConfig, addrs: WorkerAddresses, proposer: Proposer, ctx: zmq.Context):
         self.cfg = cfg
         self.proposer = proposer
-        self.recv_from_target = MessageSocket(ctx, zmq.PULL, addrs.target_to_drafter, bind=False)
+        # Bound here: a drafter restarted beside a running target takes over the same address.
+        self.recv_from_target = MessageSocket(ctx, zmq.PULL, addrs.target_to_drafter, bind=True)
         self.send_to_target = MessageSocket(ctx, zmq.PUSH, addrs.drafter_to_target, bind=False)
         self.send_to_api = MessageSocket(ctx, zmq.PUSH, addrs.workers_to_api, bind=False)
         self.contexts: dict[str, DraftContext] = {}
@@ -85,6 +86,7 @@ class DrafterWorker:
         self.lengths = None if cfg.verify_length == "max" else \
             VerifyLengthController(allow_skip=cfg.verify_length == "auto")
         self.stopping = False
+        self.heartbeats = Heartbeats(ctx, addrs.workers_to_api, "drafter")
         self.handlers = {
             StartDraft: self.on_start,
             Outcome: self.on_outcome,
@@ -97,7 +99,12 @@ class DrafterWorker:
             "proposer": self.proposer.name, "hidden_layers": self.proposer.hidden_layers,
             "supports_foresight": self.proposer.supports_foresight,
             "decoder_layers": getattr(getattr(self.proposer, "decoder", None), "n_layers", None)}))
+        with self.heartbeats:
+            self.loop()
+
+    def loop(self) -> None:
         while not self.stopping:
+            self.heartbeats.turn()
             msg = self.recv_from_target.recv(timeout_ms=0 if self.jobs else IDLE_POLL_MS)
             if msg is not None:
                 self.handlers[type(msg)](msg)
@@ -185,14 +192,10 @@ class DrafterWorker:
 
 def main(cfg_dict: dict, addrs_dict: dict) -> None:
     """Process entry point (spawned by the launcher)."""
+    prepare_worker_process()
     cfg = EngineConfig.from_dict(cfg_dict)
     addrs = WorkerAddresses.from_dict(addrs_dict)
     torch.set_num_threads(cfg.drafter_threads)
     ctx = zmq.Context()
-    try:
+    with worker_lifetime(ctx, addrs, "drafter"):
         DrafterWorker(cfg, addrs, make_proposer(cfg), ctx).run()
-    except BaseException as exc:
-        report_death(ctx, addrs, "drafter", exc)
-        raise
-    finally:
-        ctx.destroy(linger=0)

@@ -18,7 +18,6 @@ process that sends CUDA tensors to several peers should give each socket its own
 """
 from __future__ import annotations
 
-import os
 import secrets
 import time
 import weakref
@@ -26,6 +25,7 @@ import weakref
 import torch
 
 from .errors import ProtocolError
+from .owner import owner_tag
 from .transport import SHM_PREFIX, _open_shm, _shm_unlink, check_shm_name
 
 _uuid_to_index: dict[str, int] = {}
@@ -52,7 +52,7 @@ class _Ring:
         self.device = torch.device("cuda", index)
         self.uuid = gpu_uuid(index)
         self.slot_bytes, self.wait_s, self.next = slot_bytes, wait_s, 0
-        self.name = f"{SHM_PREFIX}{os.getpid()}_cuda_{secrets.token_hex(4)}"
+        self.name = f"{SHM_PREFIX}{owner_tag()}_cuda_{secrets.token_hex(4)}"
         # Untracked like the tensor segments (see transport._open_shm); sweep_shm(pid) covers a crash.
         self.flags = _open_shm(self.name, slots, create=True)  # zero-filled: all slots free
         self.bufs: list[torch.Tensor | None] = [None] * slots
@@ -100,6 +100,11 @@ class _Ring:
             self.shared[i] = fields
         return buf
 
+    def release_all(self) -> None:
+        """Mark every slot free (its reader is gone and will never acknowledge)."""
+        for i in range(len(self.bufs)):
+            self.flags.buf[i] = 0
+
     def close(self) -> None:
         _LOCAL_RINGS.pop(self.name, None)
         self.bufs = [None] * len(self.bufs)  # torch keeps them in limbo until receivers let go
@@ -117,6 +122,10 @@ class CudaIpcSender:
         if index not in self.rings:
             self.rings[index] = _Ring(index, self.slots, self.slot_bytes, self.wait_s)
         return self.rings[index].put(t)
+
+    def release_all(self) -> None:
+        for ring in self.rings.values():
+            ring.release_all()
 
     def close(self) -> None:
         for ring in self.rings.values():

@@ -70,6 +70,17 @@ class Shutdown:
     reason: str = ""
 
 
+@message
+class DrafterStatus:
+    """The supervisor's word on the drafter. Down: stop waiting for blocks and send it nothing; running
+    requests go on without drafts (plain one-token steps, the target's own verdicts, so output is
+    unchanged) until they end. Up: a fresh drafter is ready; requests started from now on use it."""
+
+    KIND: ClassVar[str] = "drafter_status"
+    up: bool
+    reason: str = ""
+
+
 # ---------------------------------------------------------------- target -> api
 
 
@@ -124,6 +135,18 @@ class WorkerDead:
     KIND: ClassVar[str] = "dead"
     worker: str
     error: str
+    pid: int = 0  # which incarnation died (a late message of an earlier one is ignored)
+
+
+@message
+class Heartbeat:
+    """Sent by a worker every HEARTBEAT_INTERVAL_S from a thread of its own (liveness.Heartbeats): silence
+    means a stopped, frozen or dead process; a growing `stalled_s` a loop stuck in one step."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    worker: str
+    pid: int
+    stalled_s: float = 0.0  # seconds since the worker's loop last turned
 
 
 # ---------------------------------------------------------------- target <-> drafter

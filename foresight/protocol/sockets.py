@@ -95,13 +95,19 @@ class _MessageSocketBase:
 class MessageSocket(_MessageSocketBase):
     """Blocking message socket for the worker processes."""
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: Any, block: bool = True) -> bool:
+        """Send `msg`. With block=False, give up at once when no peer can take it (none connected, or
+        every peer's queue full) and return False: a worker must never stall on a dead or hung peer."""
         frames = self._encode(msg)
         try:
-            self.socket.send_multipart(frames, copy=False)
+            self.socket.send_multipart(frames, 0 if block else zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._discard(frames)
+            return False
         except BaseException:
             self._discard(frames)  # never sent: free its shm segments / CUDA slots
             raise
+        return True
 
     def recv(self, timeout_ms: int | None = None) -> Any | None:
         """The next message; None if none came within `timeout_ms` (None: wait forever)."""

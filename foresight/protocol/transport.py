@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .errors import ProtocolError
+from .owner import owner_tag
 
 DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
@@ -39,7 +40,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 
-SHM_PREFIX = "foresight_"  # segment names: foresight_<pid>_<n>_<random>
+SHM_PREFIX = "foresight_"  # segment names: foresight_<pid>x<pidns>_<n>_<random> (owner.py)
 # A name from a message becomes a path under /dev/shm: only our own names, no separators or dots.
 _SHM_NAME = re.compile(re.escape(SHM_PREFIX) + r"[A-Za-z0-9_]{1,100}")
 _shm_counter = itertools.count()
@@ -113,8 +114,15 @@ class TensorTransport:
 
     # ------------------------------------------------------------ lifetime
 
+    def peer_lost(self) -> None:
+        """The receiving process died: nobody will acknowledge the CUDA slots it held, so free them all
+        (its successor must find a ring with free slots, not wait for a dead reader)."""
+        if self._cuda_tx is not None:
+            self._cuda_tx.release_all()
+
     def close(self) -> None:
-        """Free the CUDA ring(s); shm segments already sent stay for their receiver."""
+        """Free the CUDA ring(s) and unlink their flag segments; shm segments already sent stay for their
+        receiver."""
         for side in (self._cuda_tx, self._cuda_rx):
             if side is not None:
                 side.close()
@@ -200,7 +208,7 @@ def _open_shm(name: str, size: int = 0, create: bool = False) -> SharedMemory:
 
 
 def _shm_put(flat: torch.Tensor) -> str:
-    name = f"{SHM_PREFIX}{os.getpid()}_{next(_shm_counter)}_{secrets.token_hex(4)}"
+    name = f"{SHM_PREFIX}{owner_tag()}_{next(_shm_counter)}_{secrets.token_hex(4)}"
     shm = _open_shm(name, flat.numel(), create=True)
     try:
         shm.buf[: flat.numel()] = flat.numpy()
@@ -253,7 +261,7 @@ def _shm_unlink(name: str) -> None:
 
 def shm_segments(pid: int | None = None) -> list[str]:
     """Names of the segments a process (default: any) created and no receiver took yet."""
-    pattern = f"{SHM_PREFIX}{'' if pid is None else f'{pid}_'}*"
+    pattern = f"{SHM_PREFIX}{'' if pid is None else f'{pid}x'}*"
     return sorted(os.path.basename(p) for p in glob.glob(os.path.join("/dev/shm", pattern)))
 
 

@@ -13,15 +13,18 @@ from fastapi.responses import Response, StreamingResponse
 from ..config import DEFAULT_MODEL_NAME, ServerConfig
 from ..target_worker.loading import load_tokenizer, resolve_target
 from .engine_client import EngineClient
-from .errors import error, internal_message
+from .errors import AsciiJSONResponse, error, internal_message
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, BodyLimit
-from .openai_schemas import ChatCompletionRequest, CompletionRequest
+from .openai_schemas import ChatCompletionRequest, CompletionRequest, error_body
 from .responses import Job, complete, stream
 from .serving import BadRequest, RequestRunner
+from .shutdown import Drain
 
 log = logging.getLogger("foresight.server")
 NOT_READY = "the engine is not ready (loading, or a worker died and is being restarted)"
+SHUTTING_DOWN = "the server is shutting down and admits no new requests"
+SERVING = ("ok", "degraded")  # /health statuses that answer 200: degraded = serving without the drafter
 
 
 def served_model_name(cfg: ServerConfig) -> str:
@@ -48,13 +51,23 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
     model_name = served_model_name(cfg)
     if engine is None:
         engine = EngineClient(cfg.engine, cfg.max_running, cfg.max_waiting, cfg.startup_timeout_s,
-                              cfg.max_restarts, ServerMetrics(model_name, max_draft_tokens=cfg.engine.gamma))
+                              cfg.max_restarts, ServerMetrics(model_name, max_draft_tokens=cfg.engine.gamma),
+                              restart_window_s=cfg.restart_window_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                              stall_timeout_s=cfg.stall_timeout_s)
     metrics: ServerMetrics = engine.metrics
+    drain = Drain(engine, cfg.drain_timeout_s)
+    # The engine gave up (a worker's restart budget is spent): drain what still runs, then exit non-zero
+    # so that compose or Kubernetes restarts the whole server.
+    engine.on_fatal = lambda reason: drain.begin(exit_code=1, why=reason)
     state: dict = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await engine.start()
+        try:
+            await engine.start()
+        except BaseException:
+            await engine.stop()  # no worker, socket folder or segment outlives a failed start
+            raise
         info = engine.target_info()
         state["runner"] = RequestRunner(engine, tokenizer, model_name, info["max_model_len"], metrics)
         yield
@@ -64,6 +77,7 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
     app = FastAPI(title="Foresight", lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.drain = drain
     app.add_middleware(BodyLimit, max_bytes=cfg.max_request_bytes, metrics=metrics)
     if cfg.api_key:
         app.add_middleware(ApiKeyAuth, api_key=cfg.api_key)  # added last: runs first, before any body is read
@@ -81,9 +95,14 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not engine.healthy:
-            return error(503, NOT_READY)
-        return {"status": "ok", "workers": engine.worker_pids(), "restarts": engine.supervisor.restarts}
+        """200 while requests are served (status ok, or degraded: without the drafter); 503 while
+        loading, while the target is down, or while draining — with the same JSON body either way."""
+        body = engine.health()
+        if body["status"] not in SERVING:
+            return AsciiJSONResponse({**body, "error": error_body(
+                SHUTTING_DOWN if body["status"] == "draining" else NOT_READY, "service_unavailable", None,
+                503)["error"]}, 503)
+        return body
 
     @app.get("/metrics")
     async def metrics_route():
@@ -109,6 +128,8 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
         deadline = asyncio.get_running_loop().time() + timeout_s if timeout_s > 0 else None
         if body.model is not None and body.model != model_name:
             return error(404, f"the model '{body.model}' does not exist; this server serves '{model_name}'", "model")
+        if drain.draining:
+            return error(503, SHUTTING_DOWN)
         if not engine.healthy:
             return error(503, NOT_READY)
         if not engine.can_admit():

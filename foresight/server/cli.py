@@ -74,15 +74,28 @@ def check_pipelined(engine) -> None:
                           f"{why}; use --mode sync or ar")
 
 
+# After the drain, open connections get this long to close before uvicorn cancels them.
+CONNECTION_CLOSE_S = 5.0
+
+
 def serve(args: argparse.Namespace, engine) -> int:
+    """Serve until SIGTERM/SIGINT (then drain) or until the engine gives up; 0 after a clean drain,
+    1 when a worker's restart budget was spent."""
+    cfg = server_from_args(args, engine)
     check_pipelined(engine)
+    import logging
+
     import uvicorn
 
     from .app import create_app
+    from .shutdown import DrainingServer
 
-    cfg = server_from_args(args, engine)
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="info", timeout_graceful_shutdown=30)
-    return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    app = create_app(cfg)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
+                            timeout_graceful_shutdown=CONNECTION_CLOSE_S)
+    DrainingServer(config, app.state.drain).run()
+    return app.state.drain.exit_code
 
 
 if __name__ == "__main__":

@@ -56,8 +56,8 @@ def failure(exc: BaseException, rid: str, timeout_s: float = 0.0) -> tuple[int, 
     if isinstance(exc, EngineUnavailable):
         return 503, str(exc)
     if isinstance(exc, RequestError):
-        if exc.status < 500:
-            return exc.status, str(exc)  # the worker's verdict on the input
+        if exc.status < 500 or exc.public:
+            return exc.status, str(exc)  # the worker's verdict on the input, or the api's own words
         if exc.status == 503:  # a worker died; its reason may quote an exception
             log.warning("request %s failed: %s", rid, exc)
             return 503, f"a worker died while serving this request and is being restarted (request id {rid})"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from .errors import ClientGone, RequestTimedOut
 
@@ -19,20 +20,37 @@ async def _next(it: AsyncIterator):
     return await anext(it)
 
 
-async def _wait(step: asyncio.Future, deadline: float | None, disconnected, poll_s: float) -> None:
-    """Until `step` is done; raise RequestTimedOut past `deadline`, ClientGone once `disconnected()`."""
-    loop = asyncio.get_running_loop()
-    while True:
-        timeout = poll_s if disconnected is not None else None
-        if deadline is not None:
-            left = deadline - loop.time()
-            if left <= 0:
-                raise RequestTimedOut()
-            timeout = left if timeout is None else min(timeout, left)
-        done, _ = await asyncio.wait({step}, timeout=timeout)
-        if done:
+@dataclass
+class _Watch:
+    """What `guarded` watches: a deadline (in `loop.time()` seconds) and, at most every `poll_s`, the
+    connection — also while outputs arrive faster than that, which would otherwise never leave time to
+    look (a fast request would run to its end for a client long gone)."""
+
+    deadline: float | None
+    disconnected: Callable[[], Awaitable[bool]] | None
+    poll_s: float
+    checked_at: float = float("-inf")
+
+    async def wait(self, step: asyncio.Future) -> None:
+        """Until `step` is done; raise RequestTimedOut past the deadline, ClientGone once disconnected."""
+        loop = asyncio.get_running_loop()
+        while True:
+            timeout = self.poll_s if self.disconnected is not None else None
+            if self.deadline is not None:
+                left = self.deadline - loop.time()
+                if left <= 0:
+                    raise RequestTimedOut()
+                timeout = left if timeout is None else min(timeout, left)
+            done, _ = await asyncio.wait({step}, timeout=timeout)
+            await self._check_connection(loop.time())
+            if done:
+                return
+
+    async def _check_connection(self, now: float) -> None:
+        if self.disconnected is None or now - self.checked_at < self.poll_s:
             return
-        if disconnected is not None and await disconnected():
+        self.checked_at = now
+        if await self.disconnected():
             raise ClientGone()
 
 
@@ -48,12 +66,13 @@ async def guarded(events: AsyncIterator, deadline: float | None = None,
             await events.aclose()
         return
     it = aiter(events)
+    watch = _Watch(deadline, disconnected, poll_s)
     step: asyncio.Future | None = None
     try:
         while True:
             step = asyncio.ensure_future(_next(it))
             try:
-                await _wait(step, deadline, disconnected, poll_s)
+                await watch.wait(step)
             except (RequestTimedOut, ClientGone):
                 step.cancel()
                 await asyncio.wait({step})  # the engine has sent its abort before we answer

@@ -18,6 +18,9 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)
     round: int = 0  # the round whose block we wait for (0 = prefill pending)
     anchor: int | None = None  # newest committed token, not yet in the cache
+    # The drafter holds this request's context and answers its outcomes. False in `ar` mode, and for a
+    # request that started or went on while the drafter was down: it takes plain one-token steps.
+    drafting: bool = False
     block: list[int] | None = None  # drafts received for `round`
     block_cache_hit: bool | None = None
     block_passes: int = 0
@@ -37,7 +40,14 @@ class RequestState:
 
     def ready(self) -> bool:
         """Can the target do this request's next step without waiting for the drafter?"""
-        return not self.prefilled or self.mode == "ar" or self.block is not None
+        return not self.prefilled or not self.drafting or self.block is not None
+
+    def detach(self) -> None:
+        """Go on without the drafter (it is down): plain steps from now on, nothing awaited."""
+        self.drafting = False
+        self.block = None
+        self.block_cache_hit = None
+        self.block_passes = self.block_refreshes = 0
 
     def tokens_left(self) -> int:
         return self.request.max_tokens - len(self.output_ids)

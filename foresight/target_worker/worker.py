@@ -4,12 +4,17 @@ One busy loop: drain the api and drafter sockets, pick the next request that can
 (round-robin), run one step of it (prefill, or verify one block), send what was committed.
 A request that raises fails alone; an error outside a request's step kills the worker, which
 tells the api with `WorkerDead` first.
+
+The drafter is optional to correctness: every committed token is the target's own verdict. While the
+drafter is down (`DrafterStatus(up=False)` from the supervisor) requests take plain one-token steps
+instead of waiting; they stay on plain steps until they end, because a restarted
+drafter has lost their contexts. Requests that start once it is back (`DrafterStatus(up=True)`) draft.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
-import traceback
 from collections import OrderedDict
 
 import torch
@@ -20,6 +25,7 @@ from ..protocol.addresses import WorkerAddresses
 from ..protocol.messages import (
     AbortRequest,
     DraftBlock,
+    DrafterStatus,
     GenerateRequest,
     Outcome,
     ReleaseDraft,
@@ -30,14 +36,19 @@ from ..protocol.messages import (
     TokenOutput,
     WorkerReady,
 )
-from ..protocol.liveness import report_death
+from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
 from ..protocol.sockets import MessageSocket
+from ..protocol.transport import default_transport
 from .loading import load_target, resolve_dtype, resolve_target
 from .request_state import RequestState
 from .runner import TargetRunner
 from .verification import Verdict, verify
 
+log = logging.getLogger("foresight.target")
+
 IDLE_POLL_MS = 100
+# What the api hears of an unexpected failure; the details go to this worker's log with the request id.
+INTERNAL_ERROR = "internal error in the target worker"
 
 
 class TargetWorker:
@@ -50,7 +61,9 @@ class TargetWorker:
         self.max_model_len = max_model_len
         self.recv_from_api = MessageSocket(ctx, zmq.PULL, addrs.api_to_target, bind=False)
         self.send_to_api = MessageSocket(ctx, zmq.PUSH, addrs.workers_to_api, bind=False)
-        self.send_to_drafter = MessageSocket(ctx, zmq.PUSH, addrs.target_to_drafter, bind=True)
+        # Connecting, not binding: messages wait in its queue while a (re)started drafter binds, instead of
+        # a send that blocks or fails for want of a peer.
+        self.send_to_drafter = MessageSocket(ctx, zmq.PUSH, addrs.target_to_drafter, bind=False)
         self.recv_from_drafter = MessageSocket(ctx, zmq.PULL, addrs.drafter_to_target, bind=True)
         self.poller = zmq.Poller()
         self.poller.register(self.recv_from_api.socket, zmq.POLLIN)
@@ -58,10 +71,13 @@ class TargetWorker:
         self.requests: OrderedDict[str, RequestState] = OrderedDict()
         self.seed_rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.stopping = False
+        self.drafter_up = True  # the supervisor starts the drafter first and says when it goes down
+        self.heartbeats = Heartbeats(ctx, addrs.workers_to_api, "target")
         self.handlers = {
             GenerateRequest: self.on_generate,
             AbortRequest: self.on_abort,
             Shutdown: self.on_shutdown,
+            DrafterStatus: self.on_drafter_status,
             DraftBlock: self.on_block,
         }
 
@@ -70,7 +86,12 @@ class TargetWorker:
     def run(self) -> None:
         self.send_to_api.send(WorkerReady(worker="target", pid=os.getpid(), info={
             "max_model_len": self.max_model_len, "vocab_size": self.runner.vocab_size}))
+        with self.heartbeats:
+            self.loop()
+
+    def loop(self) -> None:
         while not self.stopping:
+            self.heartbeats.turn()
             self.drain(self.recv_from_api)
             self.drain(self.recv_from_drafter)
             state = self.next_ready()
@@ -97,10 +118,10 @@ class TargetWorker:
                 self.prefill(state)
             else:
                 self.verify_round(state)
-        except Exception as exc:  # one request's failure must not take the worker down
-            traceback.print_exc()
+        except Exception:  # one request's failure must not take the worker down
+            log.exception("request %s failed in the target worker", state.req_id)
             self.drop(state.req_id)
-            self.send_to_api.send(RequestFailed(req_id=state.req_id, error=f"{type(exc).__name__}: {exc}"))
+            self.send_to_api.send(RequestFailed(req_id=state.req_id, error=INTERNAL_ERROR))
 
     # ------------------------------------------------------------------ handlers
 
@@ -127,10 +148,30 @@ class TargetWorker:
     def on_shutdown(self, msg: Shutdown) -> None:
         self.stopping = True
 
+    def on_drafter_status(self, msg: DrafterStatus) -> None:
+        if msg.up:
+            log.info("the drafter is back: new requests draft again")
+            self.drafter_up = True
+        else:
+            self.drafter_lost(msg.reason or "the supervisor says it is down")
+
+    def drafter_lost(self, reason: str) -> None:
+        """Stop waiting for the drafter: every drafting request goes on with plain steps."""
+        log.warning("drafter down (%s): running requests go on without drafts", reason)
+        self.drafter_up = False
+        for state in self.requests.values():
+            state.detach()
+        self.send_to_drafter.reset()  # what waits in the queue was meant for the dead drafter
+        default_transport().peer_lost()  # CUDA slots it held are never acknowledged
+
+    def to_drafter(self, msg) -> bool:
+        """Send to the drafter, never blocking on it: False while it is down, or if its queue is full."""
+        return self.drafter_up and self.send_to_drafter.send(msg, block=False)
+
     def on_block(self, block: DraftBlock) -> None:
         state = self.requests.get(block.req_id)
-        if state is None or block.round != state.round or state.block is not None:
-            return  # stale: an older round, or a request that ended meanwhile
+        if state is None or not state.drafting or block.round != state.round or state.block is not None:
+            return  # stale: an older round, a request that ended or went on without the drafter
         state.block = block.tokens[: self.max_drafts(state)]
         state.block_cache_hit = block.cache_hit
         state.block_passes = block.passes
@@ -145,16 +186,17 @@ class TargetWorker:
         result = self.runner.prefill(state.cache, req.prompt_ids)
         verdict = verify_block(result.logits, [], req.sampling, state.generator)
         if state.mode != "ar":
-            self.send_to_drafter.send(StartDraft(req_id=req.req_id, prompt_ids=req.prompt_ids,
-                                                 seed=drafter_seed(state.generator), mode=state.mode,
-                                                 temperature=req.sampling.temperature,
-                                                 refinement=req.refinement, hidden=result.hidden))
+            state.drafting = self.to_drafter(StartDraft(
+                req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.generator),
+                mode=state.mode, temperature=req.sampling.temperature, refinement=req.refinement,
+                hidden=result.hidden))
         self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True)
 
     def verify_round(self, state: RequestState) -> None:
         req = state.request
-        draft = state.take_block() if state.mode != "ar" else []
-        exposed = state.block_received_at - state.outcome_sent_at if state.mode != "ar" else None
+        with_drafts = state.drafting
+        draft = state.take_block() if with_drafts else []
+        exposed = state.block_received_at - state.outcome_sent_at if with_drafts else None
         t0 = time.perf_counter()
         result = self.runner.verify(state.cache, state.anchor, draft)
         verdict = verify_block(result.logits, draft, req.sampling, state.generator)
@@ -182,11 +224,12 @@ class TargetWorker:
             return
         state.anchor = tokens[-1]
         state.round += 1
-        if state.mode != "ar":
+        if state.drafting:
             state.outcome_sent_at = time.perf_counter()
-            self.send_to_drafter.send(Outcome(req_id=state.req_id, round=state.round, accepted=accepted,
-                                              bonus=state.anchor, max_drafts=self.max_drafts(state),
-                                              verify_s=state.last_verify_s, hidden=hidden))
+            if not self.to_drafter(Outcome(req_id=state.req_id, round=state.round, accepted=accepted,
+                                           bonus=state.anchor, max_drafts=self.max_drafts(state),
+                                           verify_s=state.last_verify_s, hidden=hidden)):
+                state.detach()  # no block will come for this round
 
     def apply_stops(self, state: RequestState, tokens: list[int]) -> tuple[list[int], str | None]:
         req = state.request
@@ -210,29 +253,23 @@ class TargetWorker:
 
     def drop(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
-        if state is not None and state.mode != "ar" and state.prefilled:
-            self.send_to_drafter.send(ReleaseDraft(req_id=req_id))
+        if state is not None and state.drafting:
+            self.to_drafter(ReleaseDraft(req_id=req_id))
 
 
 def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], foresight: bool = False) -> None:
     """Process entry point (spawned by the launcher)."""
+    prepare_worker_process()
     cfg = EngineConfig.from_dict(cfg_dict)
     addrs = WorkerAddresses.from_dict(addrs_dict)
     torch.set_num_threads(cfg.target_threads)
     ctx = zmq.Context()
-    worker = None
-    try:
+    with worker_lifetime(ctx, addrs, "target"):
         path = resolve_target(cfg.target)
         model = load_target(path, resolve_dtype(cfg.dtype, cfg.target_device), cfg.target_device)
         runner = TargetRunner(model, hidden_layers)
         max_len = cfg.max_model_len or model.config.max_position_embeddings
-        worker = TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, foresight)
-        worker.run()
-    except BaseException as exc:
-        report_death(ctx, addrs, "target", exc)
-        raise
-    finally:
-        ctx.destroy(linger=0)
+        TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, foresight).run()
 
 
 def verify_block(logits: torch.Tensor, draft: list[int], sampling, generator: torch.Generator) -> Verdict:

@@ -90,6 +90,17 @@ class FakeEngine:
     def can_admit(self):
         return True
 
+    @property
+    def in_flight(self):
+        return 0
+
+    def close_admission(self):
+        self.healthy = False
+
+    def health(self):
+        return {"status": "ok" if self.healthy else "unavailable", "workers": self.worker_pids(),
+                "restarts": self.supervisor.restarts}
+
     async def generate(self, request):
         self.requests.append(request)
         finished = False

@@ -34,7 +34,12 @@ class InProcessEngine:
         self.threads = [threading.Thread(target=w.run, daemon=True) for w in (self.drafter, self.target)]
         for t in self.threads:
             t.start()
-        ready = {self.recv_from_workers.recv(timeout_ms=30000).worker for _ in range(2)}
+        ready = set()
+        while len(ready) < 2:  # heartbeats may come between the two ready messages
+            msg = self.recv_from_workers.recv(timeout_ms=30000)
+            assert msg is not None, f"ready messages missing; got {ready}"
+            if isinstance(msg, WorkerReady):
+                ready.add(msg.worker)
         assert ready == {"target", "drafter"}, ready
         self._ids = itertools.count()
 
@@ -76,3 +81,4 @@ class InProcessEngine:
         self.target.send_to_drafter.send(Shutdown())  # safe now: the target's thread has ended
         drafter_thread.join(timeout=10)
         self.ctx.destroy(linger=0)
+        self.addrs.remove()

@@ -187,6 +187,37 @@ def test_non_streaming_disconnect_aborts_the_engine_request():
     run(go())
 
 
+def test_disconnect_is_noticed_while_outputs_arrive_faster_than_the_poll():
+    """A request whose outputs never pause for a whole poll period is still watched: it is stopped soon
+    after its client leaves, not at its end."""
+    from foresight.server.errors import ClientGone
+    from foresight.server.lifetime import guarded
+
+    produced, closed = [], []
+
+    async def fast_outputs():
+        try:
+            for i in range(1000):
+                await asyncio.sleep(0.005)  # far below the 0.05 s poll
+                produced.append(i)
+                yield i
+        finally:
+            closed.append(True)  # where the engine request is aborted
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        leaves_at = loop.time() + 0.2
+
+        async def disconnected():
+            return loop.time() >= leaves_at
+
+        with pytest.raises(ClientGone):
+            async for _ in guarded(fast_outputs(), disconnected=disconnected, poll_s=0.05):
+                pass
+    run(go())
+    assert closed and len(produced) < 200
+
+
 def test_request_timeout_non_streaming_is_504_and_aborts():
     async def go():
         engine = FakeEngine(script=FIRST_PIECE_ONLY, hang=True)

@@ -93,11 +93,12 @@ def test_stale_block_is_dropped(model):
     from foresight.target_worker.worker import TargetWorker
 
     ctx = zmq.Context()
-    worker = TargetWorker(EngineConfig(drafter="ngram"), WorkerAddresses.fresh(), TargetRunner(model), ctx,
+    addrs = WorkerAddresses.fresh()
+    worker = TargetWorker(EngineConfig(drafter="ngram"), addrs, TargetRunner(model), ctx,
                           eos_token_ids=[], max_model_len=256)  # not running: we call its handler directly
     try:
         request = GenerateRequest(req_id="s", prompt_ids=[1], max_tokens=10, sampling=SamplingParams())
-        state = RequestState(request=request, mode="sync", generator=torch.Generator())
+        state = RequestState(request=request, mode="sync", generator=torch.Generator(), drafting=True)
         state.round = 3
         worker.requests["s"] = state
         worker.on_block(DraftBlock(req_id="s", round=2, tokens=[1, 2]))
@@ -109,3 +110,4 @@ def test_stale_block_is_dropped(model):
         assert state.block == [1, 2]
     finally:
         ctx.destroy(linger=0)
+        addrs.remove()

@@ -65,6 +65,7 @@ class RecordingSocket:
 
 
 def engine_client(max_running=1):
+    import asyncio
     import shutil
     from pathlib import Path
 
@@ -73,9 +74,11 @@ def engine_client(max_running=1):
     engine = EngineClient(EngineConfig(), max_running=max_running, max_waiting=4)
     engine.send_to_target.socket.close(linger=0)
     engine.send_to_target = RecordingSocket()
-    engine.supervisor.healthy = True
+    engine.supervisor.workers["target"].state = "up"
+    engine._reader = asyncio.ensure_future(asyncio.Event().wait())  # stands for the reader of worker messages
 
     def close():
+        engine._reader.cancel()
         engine.ctx.destroy(linger=0)
         shutil.rmtree(Path(engine.addrs.api_to_target.removeprefix("ipc://")).parent, ignore_errors=True)
     return engine, close

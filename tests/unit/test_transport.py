@@ -329,6 +329,24 @@ def test_cuda_ring_waits_for_acknowledgement():
 
 
 @needs_cuda
+def test_cuda_ring_of_a_lost_receiver_is_freed_and_its_flags_unlinked_on_close():
+    """A receiver that died holding a slot: peer_lost() frees it (a restarted receiver finds room), and
+    close() leaves no flag segment in /dev/shm."""
+    tx = TensorTransport(cuda_slots=1, cuda_wait_s=0.2)
+    msg = Outcome(req_id="r", round=1, accepted=0, bonus=1, max_drafts=1, hidden=torch.ones(4, device="cuda"))
+    encode(msg, tx)  # never received: the slot stays taken
+    with pytest.raises(ProtocolError, match="ring full"):
+        encode(msg, tx)
+    tx.peer_lost()
+    frames = encode(msg, tx)
+    assert torch.equal(decode(frames, TensorTransport()).hidden.cpu(), torch.ones(4))
+    rings = [name for name in shm_segments(os.getpid()) if "_cuda_" in name]
+    assert rings
+    tx.close()
+    assert not set(rings) & set(shm_segments(os.getpid()))
+
+
+@needs_cuda
 def test_cuda_host_transport_sends_cpu_tensors():
     tp = TensorTransport(cuda="host")
     t = make(torch.bfloat16, (3, 4), device="cuda")
