@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import DEFAULT_MODEL_NAME, ServerConfig
 from ..target_worker.loading import load_tokenizer, resolve_target
@@ -86,6 +87,12 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
     async def on_validation_error(request: Request, exc: RequestValidationError):
         metrics.record_failure("bad_request")
         return validation_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        # Routing and body-parsing errors Starlette raises itself (404, 405, an undecodable body):
+        # OpenAI-shaped like every other error.
+        return error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def on_internal_error(request: Request, exc: Exception):

@@ -17,7 +17,7 @@ from .openai_schemas import error_body
 log = logging.getLogger("foresight.server")
 
 KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
          504: "timeout_error"}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 # Limits on what one request may hold (the body size is bounded separately, --max-request-bytes).
 MAX_MESSAGES = 2048
@@ -29,7 +29,7 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 def _content_part_text(i: int, part: Any) -> str:
@@ -78,15 +78,24 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: Text | list[Text] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     logprobs: Any = None
     verification: Literal["exact", "nucleus"] | None = None
     nucleus_threshold: float | None = Field(default=None, gt=0.0, le=1.0)
     user: Text | None = None
+
+    @field_validator("max_tokens", "temperature", "top_p", "top_k", "n", "seed", "presence_penalty",
+                     "frequency_penalty", "nucleus_threshold", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, v):
+        # JSON true/false would pass pydantic's lax int/float parsing as 1/0.
+        if isinstance(v, bool):
+            raise ValueError("must be a number, not a boolean")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -117,7 +126,14 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: Text | list[int] | list[Text]
     max_tokens: int | None = Field(default=16, gt=0)
-    echo: bool = False
+    echo: StrictBool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_are_integers(cls, v):
+        if isinstance(v, list) and any(isinstance(t, bool) for t in v):
+            raise ValueError("token ids must be integers, not booleans")
+        return v
 
     @field_validator("prompt")
     @classmethod

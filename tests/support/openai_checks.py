@@ -21,20 +21,12 @@ def config(max_examples: int, coverage: bool = True) -> schemathesis.Config:
         "phases": {"coverage": {"enabled": coverage}}})
 
 
-# Starlette answers these itself, before the app's handlers, with `{"detail": ...}`: a known gap in the
-# error shape, pinned by tests/unit/test_schemathesis.py::test_starlette_errors_are_openai_shaped.
-# Remove this once that test passes.
-STARLETTE_DETAIL = {400: "There was an error parsing the body", 404: "Not Found", 405: "Method Not Allowed"}
-
-
 def openai_error_shape(ctx, response, case):
     """Every 4xx carries an OpenAI error object whose code is the status."""
     status = response.status_code
     if not 400 <= status < 500:
         return None
     body = json.loads(response.content)
-    if body == {"detail": STARLETTE_DETAIL.get(status)}:
-        return None
     err = body.get("error") if isinstance(body, dict) else None
     assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}, body
     assert err["code"] == status and isinstance(err["message"], str) and err["message"], body

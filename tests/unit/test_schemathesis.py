@@ -68,17 +68,12 @@ def test_api_answers_every_generated_request(case):
                                              openai_error_shape, complete_stream])
 
 
-@pytest.mark.xfail(strict=True, reason="pydantic's lax mode accepts what the schema forbids: "
-                   "'prompt': [false] is served as token id 0, 'frequency_penalty': false as 0.0")
 @schema.include(method="POST").parametrize()
 @bounded(MAX_EXAMPLES)
 def test_schema_violating_bodies_are_refused(case):
     case.call_and_validate(checks=[negative_data_rejection])
 
 
-@pytest.mark.xfail(strict=True, reason="Starlette's own HTTPException answers (405 for an undeclared method, "
-                   "404 for an unknown path, 400 for a body that is not UTF-8) are {'detail': ...}, not "
-                   "OpenAI-shaped: the app installs no handler for starlette.exceptions.HTTPException")
 @pytest.mark.parametrize("method,path,body,status", [
     ("PUT", "/v1/completions", b"{}", 405),
     ("GET", "/v1/nothing-here", None, 404),
