@@ -506,6 +506,7 @@ def summary(result: dict) -> str:
 async def run(args) -> dict:
     process, url = None, args.url
     log_path = Path(args.out).with_suffix(".server.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     if url is None:
         process, url = start_server(log_path, args.serve_args)
     limits = httpx.Limits(max_connections=args.concurrency + 4)
