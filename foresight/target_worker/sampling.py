@@ -90,8 +90,11 @@ def _top_p_removed(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     vals, by_val = torch.sort(vals.gather(-1, by_id), dim=-1, descending=True, stable=True)
     idx = idx.gather(-1, by_val)  # [..., n]  token ids in (p desc, id asc) order
     mass_before = F.pad(torch.cumsum(vals, dim=-1)[..., :-1], (1, 0))  # [..., n], exclusive
+    in_set = mass_before < top_p  # [..., n]
+    # The top token stays even when top_p underflows to 0 in float32 (a top_p of 5e-324 is valid).
+    in_set[..., 0] = True
     kept = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device)
-    return ~kept.scatter_(-1, idx, mass_before < top_p)
+    return ~kept.scatter_(-1, idx, in_set)
 
 
 def target_probs(

@@ -185,3 +185,12 @@ def test_sample_extreme_uniforms_stay_on_positive_mass(monkeypatch):
     for u, want in ((0.0, 2), (1.0 - 2.0**-53, 5)):
         monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full_like(real_rand(*a, **k), u))
         assert sample(weights).tolist() == [want]
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-12])
+def test_a_vanishing_top_p_keeps_the_top_token(top_p):
+    # 5e-324 is a valid top_p in (0, 1] but 0.0 in float32: the top token must still be kept.
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    probs = target_probs(logits, 1.0, 0, top_p)
+    assert torch.isfinite(probs).all()
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and torch.allclose(probs.max(-1).values, torch.ones(2))
