@@ -123,6 +123,7 @@ class ServerConfig:
     # A body is refused (413) past this size, read no further: one huge body must not stall the api.
     max_request_bytes: int = 4 << 20
     request_timeout_s: float = 0.0  # wall-clock limit per request from its arrival; 0 = none
+    idle_timeout_s: float = 0.0  # longest wait for a request's next output (first one included); 0 = none
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/* when set
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -135,6 +136,8 @@ class ServerConfig:
             raise ConfigError("max_request_bytes must be >= 1024")
         if not 0.0 <= self.request_timeout_s < float("inf"):
             raise ConfigError("request_timeout must be a finite number of seconds >= 0 (0 = no timeout)")
+        if not 0.0 <= self.idle_timeout_s < float("inf"):
+            raise ConfigError("idle_timeout must be a finite number of seconds >= 0 (0 = no timeout)")
         if self.api_key is not None and (not self.api_key.strip() or not self.api_key.isprintable()):
             raise ConfigError("api_key must be non-empty printable text")
         if self.max_restarts < 0:
@@ -216,6 +219,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
                    help="seconds a request may take from arrival, queueing included; then it is aborted "
                         "(504, or an error event in a stream). 0 = no limit")
+    g.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s,
+                   help="seconds a request may wait for its next output (its first included, queueing too); "
+                        "then it is aborted like a request past --request-timeout. 0 = no limit")
     g.add_argument("--max-restarts", type=int, default=d.max_restarts,
                    help="restarts per worker within --restart-window; past that the server exits with status 1 "
                         "(for compose / Kubernetes to restart it)")
@@ -240,6 +246,7 @@ def server_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerCo
     return ServerConfig(host=args.host, port=args.port, max_running=args.max_running,
                         max_waiting=args.max_waiting, startup_timeout_s=args.startup_timeout,
                         max_request_bytes=args.max_request_bytes, request_timeout_s=args.request_timeout,
+                        idle_timeout_s=args.idle_timeout,
                         api_key=api_key, max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                         heartbeat_timeout_s=args.heartbeat_timeout, stall_timeout_s=args.stall_timeout,
                         drain_timeout_s=args.drain_timeout,

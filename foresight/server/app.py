@@ -152,7 +152,7 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
         except Exception:
             log.exception("request %s: preparing the prompt failed", rid)
             return error(500, internal_message(rid))
-        job = Job(runner, body, request, chat, rid, deadline, timeout_s)
+        job = Job(runner, body, request, chat, rid, deadline, timeout_s, cfg.idle_timeout_s or None)
         if body.stream:
             return StreamingResponse(stream(job), media_type="text/event-stream")
         return await complete(job, raw.is_disconnected)

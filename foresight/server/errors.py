@@ -25,6 +25,14 @@ class RequestTimedOut(Exception):
     """The request ran past --request-timeout; it was aborted in the engine."""
 
 
+class OutputStalled(RequestTimedOut):
+    """No output for --idle-timeout seconds; the request was aborted in the engine."""
+
+    def __init__(self, idle_s: float):
+        super().__init__(idle_s)
+        self.idle_s = idle_s
+
+
 class ClientGone(Exception):
     """The client disconnected; the request was aborted in the engine."""
 
@@ -49,6 +57,8 @@ def internal_message(rid: str) -> str:
 
 def failure(exc: BaseException, rid: str, timeout_s: float = 0.0) -> tuple[int, str]:
     """(status, message for the client) of a request that failed after it was admitted."""
+    if isinstance(exc, OutputStalled):
+        return 504, f"the request produced no output for {exc.idle_s:g} s (the server's idle timeout) and was stopped"
     if isinstance(exc, RequestTimedOut):
         return 504, f"the request ran longer than the server's request timeout ({timeout_s:g} s) and was stopped"
     if isinstance(exc, QueueFull):

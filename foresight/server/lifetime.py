@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from .errors import ClientGone, RequestTimedOut
+from .errors import ClientGone, OutputStalled, RequestTimedOut
 
 POLL_S = 0.25  # how often a waiting non-streaming request checks its connection
 
@@ -29,17 +29,22 @@ class _Watch:
     deadline: float | None
     disconnected: Callable[[], Awaitable[bool]] | None
     poll_s: float
+    idle_s: float | None = None  # the longest wait for one step (the next output)
     checked_at: float = float("-inf")
 
     async def wait(self, step: asyncio.Future) -> None:
-        """Until `step` is done; raise RequestTimedOut past the deadline, ClientGone once disconnected."""
+        """Until `step` is done; raise RequestTimedOut past the deadline, OutputStalled past the idle
+        limit, ClientGone once disconnected."""
         loop = asyncio.get_running_loop()
+        idle_until = loop.time() + self.idle_s if self.idle_s else None
         while True:
             timeout = self.poll_s if self.disconnected is not None else None
-            if self.deadline is not None:
-                left = self.deadline - loop.time()
+            for limit, error in ((self.deadline, RequestTimedOut), (idle_until, OutputStalled)):
+                if limit is None:
+                    continue
+                left = limit - loop.time()
                 if left <= 0:
-                    raise RequestTimedOut()
+                    raise error() if error is RequestTimedOut else OutputStalled(self.idle_s)
                 timeout = left if timeout is None else min(timeout, left)
             done, _ = await asyncio.wait({step}, timeout=timeout)
             await self._check_connection(loop.time())
@@ -56,9 +61,10 @@ class _Watch:
 
 async def guarded(events: AsyncIterator, deadline: float | None = None,
                   disconnected: Callable[[], Awaitable[bool]] | None = None,
-                  poll_s: float = POLL_S) -> AsyncIterator:
-    """Re-yield `events`; `deadline` is in `loop.time()` seconds (None: none)."""
-    if deadline is None and disconnected is None:
+                  poll_s: float = POLL_S, idle_s: float | None = None) -> AsyncIterator:
+    """Re-yield `events`; `deadline` is in `loop.time()` seconds (None: none); `idle_s` bounds the wait
+    for each next event (None: none)."""
+    if deadline is None and disconnected is None and not idle_s:
         try:
             async for item in events:  # nothing to watch: no task per step
                 yield item
@@ -66,7 +72,7 @@ async def guarded(events: AsyncIterator, deadline: float | None = None,
             await events.aclose()
         return
     it = aiter(events)
-    watch = _Watch(deadline, disconnected, poll_s)
+    watch = _Watch(deadline, disconnected, poll_s, idle_s)
     step: asyncio.Future | None = None
     try:
         while True:

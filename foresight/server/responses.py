@@ -30,9 +30,11 @@ class Job:
     rid: str  # the response id; also the engine's request id, so logs of both sides match
     deadline: float | None = None  # loop.time() after which the request is stopped
     timeout_s: float = 0.0
+    idle_s: float | None = None  # the longest wait for the next output
 
     def events(self, disconnected: Callable[[], Awaitable[bool]] | None = None):
-        return guarded(self.runner.events(self.request, self.body.stop_list()), self.deadline, disconnected)
+        return guarded(self.runner.events(self.request, self.body.stop_list()), self.deadline, disconnected,
+                       idle_s=self.idle_s)
 
     def base(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"

@@ -243,9 +243,28 @@ def test_request_timeout_streaming_ends_with_an_error_event_then_done():
     run(go())
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_idle_timeout_stops_a_request_whose_output_stalls(stream):
+    """The first piece comes at once, then nothing: the idle limit (not a request timeout) ends it."""
+    async def go():
+        engine = FakeEngine(script=FIRST_PIECE_ONLY, hang=True)
+        async with running_app(engine, idle_timeout_s=0.2) as app:
+            reply = await asyncio.wait_for(call(app, "POST", "/v1/completions", {**COMPLETION, "stream": stream}), 10)
+            if stream:
+                assert reply.status == 200 and reply.events()[-1] == "[DONE]"
+                err = json.loads(reply.events()[-2])["error"]
+            else:
+                err = assert_openai_error(reply, 504)
+            assert err["type"] == "timeout_error" and "no output for 0.2 s" in err["message"]
+            assert engine.aborted == [engine.requests[0].req_id]
+    run(go())
+
+
 def test_timeout_config_is_validated():
     with pytest.raises(ConfigError):
         ServerConfig(request_timeout_s=-1)
+    with pytest.raises(ConfigError):
+        ServerConfig(idle_timeout_s=float("inf"))
     with pytest.raises(ConfigError):
         ServerConfig(max_request_bytes=10)
 
@@ -311,3 +330,16 @@ def test_worker_verdict_on_input_is_passed_on():
         async with running_app(FakeEngine(fail=worker_error("refinement must be one of none", 400))) as app:
             return await call(app, "POST", "/v1/completions", COMPLETION)
     assert "refinement" in assert_openai_error(run(go()), 400)["message"]
+
+
+def test_idle_timeout_bounds_each_gap_not_the_whole_request():
+    from foresight.server.lifetime import guarded
+
+    async def steady():
+        for i in range(8):
+            await asyncio.sleep(0.05)  # 0.4 s in all, every gap well under the idle limit
+            yield i
+
+    async def go():
+        return [x async for x in guarded(steady(), idle_s=0.2)]
+    assert run(go()) == list(range(8))
