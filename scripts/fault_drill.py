@@ -2,8 +2,9 @@
 
     .venv/bin/python scripts/fault_drill.py --out drill.json [--serve-args "--dtype float32"]
 
-One server runs four scenarios in order, each with greedy streaming requests in flight (`ignore_eos`, so
-they run their full length): the drafter SIGKILLed three times; the drafter SIGSTOPped (hung); the
+One server runs its scenarios in order. First a client that leaves a long request after ~1 s (streaming,
+then not): how soon generation stops, in seconds and rounds. Then four fault scenarios, each with greedy
+streaming requests in flight (`ignore_eos`, so they run their full length): the drafter SIGKILLed three times; the drafter SIGSTOPped (hung); the
 target SIGKILLed; SIGTERM. Per scenario: requests completed (HTTP 200, `[DONE]`, every token), failed
 (an error status or error event) and lost (no answer at all), the longest pause between two events of a
 stream, and recovery times. Every wait is bounded; the server is killed if anything overruns.
@@ -117,7 +118,37 @@ def drafter_back(base: str, old_pid: int):
     return check
 
 
+def metric(base: str, name: str) -> float:
+    """The first sample of a Prometheus metric family (one model: one label set)."""
+    for line in httpx.get(f"{base}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise KeyError(name)
+
+
 # ---------------------------------------------------------------- scenarios
+
+
+def client_disconnect(base: str, stream: bool, max_tokens: int = 400) -> dict:
+    """A long request whose client leaves after ~1 s: how soon the server stops generating for it, in
+    seconds and in rounds (the mean verification round of the run so far)."""
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": stream}
+    with httpx.Client(timeout=60) as client:
+        if stream:
+            with client.stream("POST", f"{base}/v1/completions", json=body) as resp:
+                events = (line for line in resp.iter_lines() if line.startswith("data: "))
+                for _ in range(3):
+                    next(events)
+        else:
+            try:
+                client.post(f"{base}/v1/completions", json=body, timeout=1.0)
+            except httpx.ReadTimeout:
+                pass
+    stopped_s = wait_for(lambda: metric(base, "foresight_requests_running") == 0, "the abandoned request to stop", 60)
+    round_s = metric(base, "foresight_verify_latency_seconds_sum") / metric(base, "foresight_verify_latency_seconds_count")
+    return {"stopped_after_s": round(stopped_s, 3), "mean_round_s": round(round_s, 4),
+            "rounds": round(stopped_s / round_s, 1)}
+
 
 
 def drafter_sigkill(base: str, rounds: int = 3, streams: int = 4, max_tokens: int = 120) -> dict:
@@ -200,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--serve-args", default="", help="extra `foresight serve` flags")
+    parser.add_argument("--only-disconnect", action="store_true",
+                        help="only the client-disconnect scenarios (no worker faults)")
     args = parser.parse_args(argv)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -211,12 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": shlex.join(cmd), "server_log": str(log_path)}
     try:
         report["startup_s"] = round(wait_for(lambda: health(base)[0] == 200, "the server to start"), 1)
-        target = pids(base)["target"]
-        report["drafter_sigkill_x3"] = drafter_sigkill(base)
-        report["drafter_sigkill_x3"]["target_pid_unchanged"] = pids(base)["target"] == target
-        report["drafter_sigstop"] = drafter_sigstop(base)
-        report["target_sigkill"] = target_sigkill(base)
-        report["sigterm"] = sigterm(base, server)
+        report["disconnect_streaming"] = client_disconnect(base, stream=True)
+        report["disconnect_non_streaming"] = client_disconnect(base, stream=False)
+        if not args.only_disconnect:
+            target = pids(base)["target"]
+            report["drafter_sigkill_x3"] = drafter_sigkill(base)
+            report["drafter_sigkill_x3"]["target_pid_unchanged"] = pids(base)["target"] == target
+            report["drafter_sigstop"] = drafter_sigstop(base)
+            report["target_sigkill"] = target_sigkill(base)
+            report["sigterm"] = sigterm(base, server)
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
