@@ -197,7 +197,8 @@ async def run_interleaved(engine: EngineClient, requests: list[GenerateRequest],
         for run in runs:
             await run_one(engine, request_for_run(request, run, str(i)), tallies[run.label])
         if peers is not None:
-            peers.run_all(request)
+            # In a thread: the api-side loop keeps reading the (idle) workers' heartbeats meanwhile.
+            await asyncio.to_thread(peers.run_all, request)
         print(f"[{name}] prompt {i + 1}/{len(requests)} done", flush=True)
 
 
