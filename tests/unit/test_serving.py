@@ -90,6 +90,18 @@ def gen_request(req_id="r1"):
     return GenerateRequest(req_id=req_id, prompt_ids=[1, 2], max_tokens=4, sampling=SamplingParams())
 
 
+async def first_output(engine, output):
+    """Start request r1 on `engine`, deliver `output` as the worker would; (the generator, its first item)."""
+    import asyncio
+
+    gen = engine.generate(gen_request())
+    first = asyncio.ensure_future(anext(gen))
+    while "r1" not in engine.queues:
+        await asyncio.sleep(0)
+    engine.queues["r1"].put_nowait(output)
+    return gen, await first
+
+
 def test_slot_is_freed_when_the_worker_finishes_not_when_the_client_reads():
     import asyncio
 
@@ -98,13 +110,9 @@ def test_slot_is_freed_when_the_worker_finishes_not_when_the_client_reads():
     async def go():
         engine, close = engine_client()
         try:
-            gen = engine.generate(gen_request())
-            first = asyncio.ensure_future(anext(gen))
-            while "r1" not in engine.queues:
-                await asyncio.sleep(0)
-            engine.queues["r1"].put_nowait(TokenOutput(req_id="r1", token_ids=[5], finished=True,
-                                                      finish_reason="length"))
-            assert (await first).finished
+            gen, first = await first_output(engine, TokenOutput(req_id="r1", token_ids=[5], finished=True,
+                                                                finish_reason="length"))
+            assert first.finished
             # The consumer has not come back for more (a slow client): the slot is free already.
             assert engine.running == 0 and not engine.slots.locked() and "r1" not in engine.queues
             await gen.aclose()
@@ -123,12 +131,7 @@ def test_leaving_an_unfinished_request_aborts_it_and_frees_the_slot():
     async def go():
         engine, close = engine_client()
         try:
-            gen = engine.generate(gen_request())
-            first = asyncio.ensure_future(anext(gen))
-            while "r1" not in engine.queues:
-                await asyncio.sleep(0)
-            engine.queues["r1"].put_nowait(TokenOutput(req_id="r1", token_ids=[5]))
-            await first
+            gen, _ = await first_output(engine, TokenOutput(req_id="r1", token_ids=[5]))
             second = asyncio.ensure_future(anext(gen))
             await asyncio.sleep(0)
             second.cancel()  # what the api does when the client leaves or the time is up
