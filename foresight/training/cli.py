@@ -24,11 +24,12 @@ COMMANDS = ("train", "eval-drafter", "eval-foresight")
 
 # Recipes: the CPU one runs in the background for hours and resumes; the GPU one labels more (with the
 # target's own answers) and trains bigger batches in one short run.
+# Chat: requests the target writes and answers (training/chat_data.py), labelled before the code streams.
 RECIPES = {
-    "cpu": dict(tokens=300_000, regen=0, regen_batch=0, steps=6000, batch_seqs=4, anchors=16, label_batch=1,
-                ckpt_every=200, label_dtype="float32"),
-    "cuda": dict(tokens=3_000_000, regen=2000, regen_batch=256, steps=20000, batch_seqs=64, anchors=16,
-                 label_batch=32, ckpt_every=2000, label_dtype="float32"),
+    "cpu": dict(tokens=300_000, regen=0, regen_batch=8, chat=1500, chat_tokens=None, steps=6000, batch_seqs=4,
+                anchors=16, label_batch=1, ckpt_every=200, label_dtype="float32"),
+    "cuda": dict(tokens=3_000_000, regen=2000, regen_batch=1024, chat=12000, chat_tokens=None, steps=20000,
+                 batch_seqs=64, anchors=16, label_batch=32, ckpt_every=2000, label_dtype="float32"),
 }
 
 
@@ -45,6 +46,14 @@ def add_train_args(sub) -> None:
     d.add_argument("--tokens", type=int, default=None, help="teacher-forced tokens to label (recipe default)")
     d.add_argument("--regen", type=int, default=None, help="prompts the target answers itself (recipe default)")
     d.add_argument("--regen-batch", type=int, default=None, help="prompts per generate call (recipe default)")
+    d.add_argument("--chat", type=int, default=None,
+                   help="chat requests the target writes (self-instruct) and answers, 0 = none (recipe default)")
+    d.add_argument("--chat-tokens", type=int, default=None, help="stop the chat stream at this many tokens")
+    d.add_argument("--label-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="the target's dtype while labelling (recipe default float32)")
+    d.add_argument("--init", default="random",
+                   help="random | target (draft layers from the target's top layers) | a draft checkpoint folder "
+                        "(warm start); ignored on --resume")
     d.add_argument("--steps", type=int, default=None)
     d.add_argument("--batch-seqs", type=int, default=None)
     d.add_argument("--anchors", type=int, default=None, help="blocks per sequence per step")
@@ -162,7 +171,9 @@ def train_drafter(args: argparse.Namespace) -> int:
 
     from ..drafter_worker.draft_model import default_target_layers
     from ..target_worker.loading import cache_root, load_target, load_tokenizer, resolve_target
+    from .chat_data import chat_requests, label_chat
     from .corpus import training_conversations
+    from .draft_init import validate_init
     from .dataset import LabelledData
     from .labelling import DataDir, LabelSettings, Labeller, chat_ids, label_all
     from .train_drafter import TrainSettings, train
@@ -170,7 +181,7 @@ def train_drafter(args: argparse.Namespace) -> int:
     recipe = RECIPES["cuda" if args.device.startswith("cuda") else "cpu"]
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else recipe[name]  # noqa: E731
     path = resolve_target(args.target)
-    target = load_target(path, getattr(torch, recipe["label_dtype"]), args.device)
+    target = load_target(path, getattr(torch, pick("label_dtype")), args.device)
     n_layers = target.config.num_hidden_layers
     layers = [int(x) for x in args.target_layers.split(",")] if args.target_layers else default_target_layers(n_layers)
     topk = 32
@@ -183,26 +194,37 @@ def train_drafter(args: argparse.Namespace) -> int:
         data = DataDir(data_dir, header)
         before = sum(st["tokens"] for st in data.meta["streams"].values())
         tokenizer = load_tokenizer(path)
-        convs, dropped = training_conversations(args.seed)
-        data.meta["dropped_eval_overlap"] = dropped
-        data.save_meta()
-        print(f"[train] {len(convs)} stdlib conversations ({dropped} dropped for overlap with HumanEval); "
-              f"data dir {data_dir}", file=sys.stderr)
         settings = LabelSettings(layers=layers, topk=topk, max_len=args.max_len, batch_size=pick("label_batch"),
                                  regen_batch=pick("regen_batch"))
         from ..target_worker.worker import eos_ids
 
-        label_all(Labeller(target, settings), data, convs, lambda m, g: chat_ids(tokenizer, m, g), pick("tokens"),
-                  pick("regen"), eos_ids(target), args.seed)
+        labeller, encode = Labeller(target, settings), (lambda m, g: chat_ids(tokenizer, m, g))
+        if pick("chat") > 0:
+            decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+            encode_text = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+            requests = chat_requests(labeller, data, encode, encode_text, decode, pick("chat"), args.seed,
+                                     eos_ids(target))
+            label_chat(labeller, data, requests, encode, decode, eos_ids(target), args.seed, pick("chat_tokens"))
+        if pick("tokens") > 0 or pick("regen") > 0:
+            convs, dropped = training_conversations(args.seed)
+            data.meta["dropped_eval_overlap"] = dropped
+            data.save_meta()
+            print(f"[train] {len(convs)} stdlib conversations ({dropped} dropped for overlap with HumanEval); "
+                  f"data dir {data_dir}", file=sys.stderr)
+            label_all(labeller, data, convs, encode, pick("tokens"), pick("regen"), eos_ids(target), args.seed)
         after = sum(st["tokens"] for st in data.meta["streams"].values())
         timings["label_s"] = time.perf_counter() - t0
         timings["labelled_tokens"] = after - before
+        timings["labelled_tokens_per_s"] = round((after - before) / max(timings["label_s"], 1e-9), 1)
+        timings["streams"] = {name: {k: st[k] for k in ("items_done", "sequences", "tokens")}
+                              for name, st in data.meta["streams"].items()}
     if args.phase in ("all", "train"):
         names = {f.name for f in fields(TrainSettings)}
         s = TrainSettings(**{k: v for k, v in dict(
             steps=pick("steps"), batch_seqs=pick("batch_seqs"), anchors=pick("anchors"), block_size=args.block_size,
             num_layers=args.layers, vocab_subset=args.vocab_subset, lr=args.lr, ckpt_every=pick("ckpt_every"),
-            seed=args.seed, device=args.device, time_budget_s=args.time_budget).items() if k in names})
+            seed=args.seed, device=args.device, time_budget_s=args.time_budget,
+            init=validate_init(args.init)).items() if k in names})
         target = target.float()  # shared embedding / LM head in fp32 for training
         t0 = time.perf_counter()
         report = train(target, LabelledData(data_dir), Path(args.out), s, resume=args.resume)

@@ -66,8 +66,9 @@ class Labeller:
                  "topk_ids": top[i, :len(s)], "topk_logp": logp[i, :len(s)]} for i, s in enumerate(seqs)]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sample: bool, seed: int, eos: list[int]) -> list[list[int]]:
-        """The target's own answers (greedy, or sampled at T=0.8), appended to their prompts."""
+    def generate(self, prompts: list[list[int]], sample: bool, seed: int, eos: list[int], temperature: float = 0.8,
+                 top_p: float | None = None, max_new: int | None = None) -> list[list[int]]:
+        """The target's own answers (greedy, or sampled at `temperature`), appended to their prompts."""
         n = max(len(p) for p in prompts)
         pad = eos[0] if eos else 0
         ids = torch.full((len(prompts), n), pad, dtype=torch.long)
@@ -77,8 +78,9 @@ class Labeller:
             mask[i, n - len(p):] = 1
         torch.manual_seed(seed)
         out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  max_new_tokens=self.s.regen_max_new, do_sample=sample, temperature=0.8 if sample else None,
-                                  top_p=None, top_k=None, pad_token_id=pad, eos_token_id=eos or None)
+                                  max_new_tokens=max_new or self.s.regen_max_new, do_sample=sample,
+                                  temperature=temperature if sample else None, top_p=top_p if sample else None,
+                                  top_k=None, pad_token_id=pad, eos_token_id=eos or None)
         seqs = []
         for i, p in enumerate(prompts):
             new = out[i, n:].tolist()
@@ -177,7 +179,8 @@ def label_all(labeller: Labeller, data: DataDir, convs: list[Conversation], enco
               text_tokens: int, regen_items: int, eos: list[int], seed: int) -> None:
     """The text stream (teacher-forced conversations), then the regen stream (the target's own answers
     to the `implement` prompts, alternating greedy and sampled)."""
-    label_stream(labeller, data, "text", convs, lambda b, _: [encode(c.messages, False) for c in b], text_tokens)
+    if text_tokens > 0:
+        label_stream(labeller, data, "text", convs, lambda b, _: [encode(c.messages, False) for c in b], text_tokens)
     if regen_items <= 0:
         return
     prompts = [c.messages[:-1] for c in convs if c.kind == "implement"]

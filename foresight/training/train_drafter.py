@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from ..drafter_worker.draft_model import DraftConfig, DraftModel, SharedWeights
 from .dataset import BlockBatch, LabelledData, choose_vocab_subset, sample_blocks
+from .draft_init import initialise
 from .run_files import STATE_FILE, open_run, save_state, tail_mean, write_report
 
 
@@ -47,6 +48,7 @@ class TrainSettings:
     device: str = "cpu"
     bf16: bool = True  # autocast matmuls to bf16 on CUDA (on CPU autocast bf16 measured 18x slower than fp32)
     time_budget_s: float = 0.0  # > 0: after BUDGET_PROBE steps, cut `steps` to what fits (the schedule follows)
+    init: str = "random"  # random | target (its top layers) | a checkpoint folder (warm start); see draft_init
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
@@ -92,7 +94,9 @@ def build_model(target, data: LabelledData, s: TrainSettings) -> DraftModel:
                                  target_name=meta.get("target_name", ""))
     torch.manual_seed(s.seed)
     subset = choose_vocab_subset(data, cfg.vocab_size, s.vocab_subset)
-    return DraftModel(cfg, SharedWeights.from_target(target), subset)
+    model = DraftModel(cfg, SharedWeights.from_target(target), subset)
+    cfg.extra["init"] = initialise(model, target, s.init)
+    return model
 
 
 def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool = False, log=print) -> dict:
@@ -111,8 +115,8 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
         log(f"[train] resumed at step {step} from {out / STATE_FILE}")
     subset_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long, device=device)
     subset_index[model.vocab_subset.to(device)] = torch.arange(len(model.vocab_subset), device=device)
-    model.config.extra = {"train": asdict(s), "data": {"tokens": data.num_tokens, "sequences": len(data),
-                                                      "path": str(data.path)}}
+    model.config.extra.update({"train": asdict(s), "data": {"tokens": data.num_tokens, "sequences": len(data),
+                                                            "path": str(data.path)}})
     bar = tqdm(total=s.steps, initial=step, unit="step", desc="train drafter", dynamic_ncols=True)
     first, started = step, time.perf_counter()
     while step < s.steps:

