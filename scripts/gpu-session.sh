@@ -20,7 +20,7 @@ START=$(date +%s)
 mkdir -p "$OUT" "$WORK"
 LOG="$OUT/session.log"
 log() { echo "[gpu-session +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
-fs() { PYTHONUNBUFFERED=1 "$PY" -m foresight.server.cli "$@"; }
+fs() { PYTHONUNBUFFERED=1 "$PY" -m foresight.training "$@"; }
 
 if [ -n "${FS_SITE:-}" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
@@ -45,14 +45,14 @@ DATA="$WORK/data"
   'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"; nvidia-smi -L 2>/dev/null; } >>"$LOG" 2>&1
 
 log "prepare the target"
-timeout 120 "$PY" -m foresight.server.cli prepare-model >>"$LOG" 2>&1 || log "prepare-model failed"
+timeout 120 "$PY" -m foresight.training prepare-model >>"$LOG" 2>&1 || log "prepare-model failed"
 
 log "label: chat (the target writes and answers requests)"
-timeout "$T_LABEL_CHAT" "$PY" -m foresight.server.cli train drafter --phase label --device "$DEVICE" --data-dir "$DATA" \
+timeout "$T_LABEL_CHAT" "$PY" -m foresight.training train drafter --phase label --device "$DEVICE" --data-dir "$DATA" \
   --out "$WORK/run-label" "${CHAT[@]}" --tokens 0 --regen 0 >"$WORK/label-chat.json" 2>>"$LOG"
 log "label chat exit $?"
 log "label: code (teacher-forced stdlib conversations, the target's own answers to code prompts)"
-timeout "$T_LABEL_CODE" "$PY" -m foresight.server.cli train drafter --phase label --device "$DEVICE" --data-dir "$DATA" \
+timeout "$T_LABEL_CODE" "$PY" -m foresight.training train drafter --phase label --device "$DEVICE" --data-dir "$DATA" \
   --out "$WORK/run-label" --chat 0 "${CODE[@]}" >"$WORK/label-code.json" 2>>"$LOG"
 log "label code exit $?"
 
@@ -64,7 +64,7 @@ declare -A INIT=([warm3]="--init $SHIPPED --layers 3 --lr 5e-4" [target3]="--ini
 log "train ${!INIT[*]} (budget ${BUDGET}s each)"
 for v in "${!INIT[@]}"; do
   # shellcheck disable=SC2086
-  timeout "$T_TRAIN" "$PY" -m foresight.server.cli train drafter --phase train --device "$DEVICE" --data-dir "$DATA" \
+  timeout "$T_TRAIN" "$PY" -m foresight.training train drafter --phase train --device "$DEVICE" --data-dir "$DATA" \
     --out "$WORK/$v" ${INIT[$v]} --time-budget "$BUDGET" "${BATCH[@]}" >"$WORK/train-$v.json" 2>"$WORK/train-$v.log" &
 done
 wait
@@ -76,7 +76,7 @@ for v in shipped "${!INIT[@]}"; do
   [ -f "$dir/model.safetensors" ] || continue
   for set in chat humaneval; do
     limit=$([ "$set" = chat ] && echo 12 || echo 6)
-    timeout "$T_EVAL" "$PY" -m foresight.server.cli eval-drafter --drafter "$dir" --prompts "$set" --limit "$limit" \
+    timeout "$T_EVAL" "$PY" -m foresight.training eval-drafter --drafter "$dir" --prompts "$set" --limit "$limit" \
       --temperatures 0 --block-sizes 8 --passes 1 --device "$DEVICE" --dtype "$([ "$DEVICE" = cpu ] && echo float32 || echo bfloat16)" \
       "${EVAL[@]}" --out "$WORK/eval-$v-$set.json" >/dev/null 2>>"$WORK/eval-$v-$set.log" &
   done
