@@ -1,18 +1,20 @@
-"""eval-quality without a model: the setting parser, code extraction and the sandboxed HumanEval check."""
+"""eval-quality: the setting parser, NLL scoring on tiny random models, code extraction and the sandbox."""
 from __future__ import annotations
 
-import math
 import time
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 import torch
 
 from foresight.bench import humaneval_check as hc
 from foresight.bench.prompts import humaneval_problems
-from foresight.bench.quality import Setting, answer_nll, parse_settings
+from foresight.bench import quality
+from foresight.bench.harness import ModeTally, Run
+from foresight.bench.quality import Setting, answers_nll, parse_settings
 from foresight.config import ConfigError
 from foresight.server import cli
+from support.tiny_models import VOCAB, tiny_model
 
 CORRECT_BODY = """    for i, a in enumerate(numbers):
         for b in numbers[i + 1:]:
@@ -52,24 +54,51 @@ def test_cli_reports_a_bad_setting_in_one_line_before_loading_models(monkeypatch
     assert err.startswith("foresight: error: --verification") and "\n" not in err
 
 
-class PeekingLM:
-    """Row j of the logits is sure of token j + 1 when `sure`, else uniform; honours logits_to_keep."""
-
-    def __init__(self, vocab: int, sure: bool):
-        self.vocab, self.sure = vocab, sure
-
-    def __call__(self, ids: torch.Tensor, logits_to_keep: int) -> SimpleNamespace:
-        logits = torch.zeros(1, ids.shape[1], self.vocab)
-        if self.sure:
-            logits[0, torch.arange(ids.shape[1] - 1), ids[0, 1:]] = 50.0
-        return SimpleNamespace(logits=logits[:, -logits_to_keep:])
+@torch.inference_mode()
+def one_by_one_nll(model, prompt: list[int], answer: list[int]) -> float:
+    """Reference: one unbatched, uncached forward over prompt + answer, log-softmax over every row."""
+    if not answer:
+        return 0.0
+    logits = model(torch.tensor([prompt + answer])).logits[0]  # [seq, vocab]
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)  # rows that predict the answer tokens
+    return -logp.gather(1, torch.tensor(answer)[:, None]).sum().item()
 
 
-def test_answer_nll_scores_exactly_the_answer_tokens():
-    prompt, answer = [1, 2, 3, 4], [5, 6, 7]
-    assert answer_nll(PeekingLM(10, sure=True), prompt, answer) < 1e-6  # misaligned rows would cost ~50 each
-    assert answer_nll(PeekingLM(10, sure=False), prompt, answer) == pytest.approx(3 * math.log(10), rel=1e-5)
-    assert answer_nll(PeekingLM(10, sure=True), prompt, []) == 0.0
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3", "qwen3_5"])
+def tiny(request):
+    return tiny_model(request.param)
+
+
+@pytest.mark.parametrize("max_tokens", [2048, 40])  # one batch, and several (the prompt cache reused)
+def test_batched_nll_matches_one_by_one(tiny, max_tokens):
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (23,), generator=gen).tolist()
+    answers = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (17, 1, 0, 30, 5, 30)]
+    answers.append(answers[3][:12] + [7])  # shares a prefix with another answer
+    got = answers_nll(tiny, prompt, answers, max_tokens=max_tokens)
+    want = [one_by_one_nll(tiny, prompt, a) for a in answers]
+    assert got[2] == 0.0 and min(want[:2] + want[3:]) > 1.0
+    assert got == pytest.approx(want, abs=1e-4, rel=0)
+
+
+def test_batched_nll_with_a_one_token_prompt(tiny):
+    answers = [[5, 6, 7], [8]]
+    assert answers_nll(tiny, [3], answers) == pytest.approx([one_by_one_nll(tiny, [3], a) for a in answers],
+                                                           abs=1e-4, rel=0)
+
+
+def test_score_nll_sums_each_settings_answers(monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setattr(quality, "load_target", lambda *args: model)
+    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4]]
+    outputs = {"exact": [[10, 11, 12], [13, 14]], "nucleus@0.9": [[10, 11, 12], []]}
+    answers = [quality.Answers(Run(key, "sync", "exact", 0.9), ModeTally()) for key in outputs]
+    for a in answers:
+        a.tally.outputs = outputs[a.run.label]
+    quality.score_nll(answers, prompts, Path("unused"))
+    for a in answers:
+        want = sum(one_by_one_nll(model, p, o) for p, o in zip(prompts, outputs[a.run.label]))
+        assert a.nll_sum == pytest.approx(want, abs=1e-4, rel=0)
 
 
 # ------------------------------------------------------------------ extraction
