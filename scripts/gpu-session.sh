@@ -38,7 +38,7 @@ if [ "$SCALE" = smoke ]; then
   T_LABEL_CHAT=600 T_LABEL_CODE=300 BUDGET=0 T_TRAIN=600 EVAL=(--limit 2 --max-tokens 16) T_EVAL=600
 else
   CHAT=(--chat 12000 --regen-batch 1024) CODE=(--tokens 700000 --regen 1024 --regen-batch 1024) BATCH=()
-  T_LABEL_CHAT=160 T_LABEL_CODE=50 BUDGET=125 T_TRAIN=190 EVAL=(--max-tokens 64) T_EVAL=80
+  T_LABEL_CHAT=150 T_LABEL_CODE=45 BUDGET=120 T_TRAIN=180 EVAL=(--max-tokens 64) T_EVAL=75
 fi
 DATA="$WORK/data"
 { "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,

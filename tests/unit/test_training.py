@@ -193,6 +193,35 @@ def test_time_budget_fixes_the_step_count():
     assert steps_within_budget(s, 31, 0.1, 3.1, bar) == 100 and bar.total == 100
     assert steps_within_budget(s, 31, 0.001, 3.1, bar) == 1000  # never more than asked for
     assert steps_within_budget(s, 31, 0.1, 12.0, bar) == 31  # over budget already: stop now
+    # a later window runs faster: the count grows again up to what was asked for
+    s.steps = 100
+    assert steps_within_budget(s, 61, 0.01, 6.1, bar, cap=1000) == 61 + 390
+
+
+def test_time_budget_is_refitted_until_the_decay(data_dir, target, tmp_path, monkeypatch):
+    """A slow first window must not fix a short run: the step count follows the measured rate."""
+    import foresight.training.train_drafter as td
+
+    clock = {"t": 0.0, "step": 0}
+
+    def fake_clock() -> float:  # the first window's steps are 10x slower than the rest
+        return clock["t"]
+
+    def slow_then_fast(model, batch, bf16=False):
+        clock["t"] += 1.0 if clock["step"] < 1 + td.BUDGET_PROBE else 0.1
+        clock["step"] += 1
+        return kl_loss(model, batch, bf16)
+
+    monkeypatch.setattr(td, "time", SimpleNamespace(perf_counter=fake_clock))
+    monkeypatch.setattr(td, "kl_loss", slow_then_fast)
+    monkeypatch.setattr(td, "save_all", lambda *a, **k: None)
+    s = TrainSettings(num_layers=1, block_size=8, context_window=32, vocab_subset=0, steps=400, batch_seqs=1,
+                      anchors=1, ckpt_every=10_000, time_budget_s=100.0)
+    (tmp_path / "report.json").write_text("{}")
+    train(target, LabelledData(data_dir), tmp_path, s)
+    # after the slow window (31 s at 1 s/step) the first fit allows 100 steps; the next window runs at
+    # 0.1 s/step and the re-fit grows the run to everything asked for (fixed once, it stayed at 100)
+    assert s.steps == 400
 
 
 def test_training_steps_lower_the_loss(data_dir, target):
