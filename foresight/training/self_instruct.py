@@ -171,7 +171,7 @@ def writer_messages(item: dict) -> str | list[dict] | None:
     return None
 
 
-_PREFIX = re.compile(r"^\s*(?:[-*]\s+)?(?:\*\*)?(?:(?:new )?(?:request|question|user|prompt|task|message)\s*[:\-]\s*)?(?:\*\*)?",
+_PREFIX = re.compile(r"^\s*(?:[-*]\s+|\d+[.)]\s+|[A-Z][.):]\s+)*(?:\*\*)?(?:(?:new )?(?:request|question|user|prompt|task|message)\s*[:\-]\s*)?(?:\*\*)?",
                      re.IGNORECASE)
 # The writer answering instead of asking: such output is not a user's message.
 _ASSISTANT_VOICE = re.compile(r"^(?:sure|certainly|of course|here(?:'s| is| are)|hello|hi\b|i'd be|i would be|"
@@ -186,7 +186,7 @@ def clean_written(text: str, passage: bool = False) -> str | None:
     lo, hi = (120, 1200) if passage else (12, 300)
     if not lo <= len(text) <= hi or "\ufffd" in text:
         return None
-    if not passage and (_ASSISTANT_VOICE.match(text) or text[-1] not in ".?!"):
+    if not passage and (_ASSISTANT_VOICE.match(text) or text[-1] not in ".?!" or len(text.split()) < 4):
         return None
     return text
 

@@ -54,6 +54,8 @@ def test_plan_is_seeded_and_covers_every_kind():
 
 def test_cleaning_written_requests():
     assert clean_written('Question: "How do volcanoes form?"\n6. Why is the sky blue?') == "How do volcanoes form?"
+    assert clean_written("6. A) How do you keep basil alive indoors?") == "How do you keep basil alive indoors?"
+    assert clean_written("5,200,000 words.") is None  # too short to be a request
     assert clean_written("Sure, here is a question about volcanoes.") is None  # an assistant's voice
     assert clean_written("How do volcanoes form and why do some") is None  # cut off
     assert clean_written("ok") is None
