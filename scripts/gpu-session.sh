@@ -42,7 +42,7 @@ if [ "$SCALE" = smoke ]; then
 else
   CHAT=(--chat 12000 --regen-batch 1024) CODE=(--tokens 700000 --regen 1024 --regen-batch 1024)
   BATCH=(--ckpt-every 400)  # a run cut short by the machine still leaves a checkpoint
-  T_LABEL_CHAT=${FS_T_CHAT:-150} T_LABEL_CODE=${FS_T_CODE:-45} BUDGET=${FS_BUDGET:-120}
+  T_LABEL_CHAT=${FS_T_CHAT:-130} T_LABEL_CODE=${FS_T_CODE:-35} BUDGET=${FS_BUDGET:-120}
   T_TRAIN=$(( BUDGET + 60 )) EVAL=(--max-tokens 64) T_EVAL=75
 fi
 mkdir -p "$WORK/data"
@@ -55,12 +55,15 @@ log "prepare the target"
 timeout 120 "$PY" -m foresight.training prepare-model >>"$LOG" 2>&1 || log "prepare-model failed"
 
 log "label: chat (the target writes and answers requests)"
-timeout "$T_LABEL_CHAT" "$PY" -m foresight.training train drafter --phase label --device "$DEVICE" --data-dir "$DATA" \
-  --out "$WORK/run-label" "${CHAT[@]}" --tokens 0 --regen 0 >"$WORK/label-chat.json" 2>>"$LOG"
+# --label-time starts no call that would end past it; `timeout` (longer: loading comes first) is the net.
+timeout $(( T_LABEL_CHAT + 45 )) "$PY" -m foresight.training train drafter --phase label --device "$DEVICE" \
+  --data-dir "$DATA" --out "$WORK/run-label" "${CHAT[@]}" --tokens 0 --regen 0 --label-time "$T_LABEL_CHAT" \
+  >"$WORK/label-chat.json" 2>>"$LOG"
 log "label chat exit $?"
 log "label: code (teacher-forced stdlib conversations, the target's own answers to code prompts)"
-timeout "$T_LABEL_CODE" "$PY" -m foresight.training train drafter --phase label --device "$DEVICE" --data-dir "$DATA" \
-  --out "$WORK/run-label" --chat 0 "${CODE[@]}" >"$WORK/label-code.json" 2>>"$LOG"
+timeout $(( T_LABEL_CODE + 45 )) "$PY" -m foresight.training train drafter --phase label --device "$DEVICE" \
+  --data-dir "$DATA" --out "$WORK/run-label" --chat 0 "${CODE[@]}" --label-time "$T_LABEL_CODE" \
+  >"$WORK/label-code.json" 2>>"$LOG"
 log "label code exit $?"
 
 # Three variants on the same labels, concurrently (a 12M-parameter model leaves the GPU mostly idle):

@@ -49,6 +49,9 @@ def add_train_args(sub) -> None:
     d.add_argument("--chat", type=int, default=None,
                    help="chat requests the target writes (self-instruct) and answers, 0 = none (recipe default)")
     d.add_argument("--chat-tokens", type=int, default=None, help="stop the chat stream at this many tokens")
+    d.add_argument("--label-time", type=float, default=0.0,
+                   help="seconds for the label phase: no generate/label call starts that would end after it "
+                        "(what is labelled is kept; 0 = no limit)")
     d.add_argument("--label-dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="the target's dtype while labelling (recipe default float32)")
     d.add_argument("--init", default="random",
@@ -195,7 +198,8 @@ def train_drafter(args: argparse.Namespace) -> int:
         before = sum(st["tokens"] for st in data.meta["streams"].values())
         tokenizer = load_tokenizer(path)
         settings = LabelSettings(layers=layers, topk=topk, max_len=args.max_len, batch_size=pick("label_batch"),
-                                 regen_batch=pick("regen_batch"))
+                                 regen_batch=pick("regen_batch"),
+                                 deadline=time.monotonic() + args.label_time if args.label_time > 0 else 0.0)
         from ..target_worker.worker import eos_ids
 
         labeller, encode = Labeller(target, settings), (lambda m, g: chat_ids(tokenizer, m, g))

@@ -13,6 +13,7 @@ meta.json records how many items are done.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -37,6 +38,7 @@ class LabelSettings:
     batch_size: int = 1  # sequences per teacher-forced pass
     regen_batch: int = 0  # prompts per generate call (0: batch_size); on a GPU generation wants far more
     regen_max_new: int = 256
+    deadline: float = 0.0  # time.monotonic() after which no new call starts (0 = none); see label_stream
 
 
 class Labeller:
@@ -151,7 +153,15 @@ def label_stream(labeller: Labeller, data: DataDir, name: str, items: list, to_i
     pending: list[dict] = []
     pending_tokens = 0
     i = st["items_done"]
+    last_call_s = 0.0
     while i < limit and st["tokens"] + pending_tokens < max_tokens:
+        if s.deadline and time.monotonic() + last_call_s > s.deadline:
+            # The next call would not finish in time: stop with everything labelled so far written
+            # (a process killed mid-call loses the call; on the H200 one call of 1,024 answers is ~1 min).
+            if pending:
+                data.write_shard(name, pending, i)
+            break
+        started = time.monotonic()
         batch = items[i:min(i + (items_per_call or s.batch_size), limit)]
         seqs = [q[:s.max_len] for q in to_ids(batch, i)]
         i += len(batch)
@@ -166,6 +176,7 @@ def label_stream(labeller: Labeller, data: DataDir, name: str, items: list, to_i
             if pending:
                 data.write_shard(name, pending, i)
             pending, pending_tokens = [], 0
+        last_call_s = time.monotonic() - started
     bar.close()
 
 

@@ -288,3 +288,23 @@ def test_chat_evaluation_set_is_broad_and_kept_out_of_training():
                               {"role": "assistant", "content": "Minerals."}], "ok", "extra")
     kept, dropped = Decontaminator(eval_texts(), whole_short=chat_eval_texts()).filter([leaked, unrelated])
     assert dropped == 1 and kept == [unrelated]
+
+
+def test_labelling_stops_before_a_call_that_would_pass_the_deadline(tmp_path, target, conversations, monkeypatch):
+    """No call starts that would end after the deadline, and what was labelled before it is written."""
+    import foresight.training.labelling as lab
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(lab, "time", SimpleNamespace(monotonic=lambda: clock["t"]))
+
+    def slow_encode(batch, _first):  # every call takes 10 s of the fake clock
+        clock["t"] += 10.0
+        return [toy_encode(c.messages) for c in batch]
+
+    settings = LabelSettings(layers=LAYERS, topk=4, max_len=200, min_len=20, shard_tokens=10**9, batch_size=2,
+                             deadline=25.0)
+    data = DataDir(tmp_path, {"target_name": "tiny", "layers": LAYERS, "topk": 4})
+    lab.label_stream(Labeller(target, settings), data, "text", conversations, slow_encode, max_tokens=None)
+    st = data.stream("text")
+    # calls at t=0 and t=10 end by 20; the next would end at 30 > 25: two calls, written before stopping
+    assert st["items_done"] == 4 and len(st["shards"]) == 1 and st["sequences"] >= 1
