@@ -23,7 +23,6 @@ START=$(date +%s)
 mkdir -p "$OUT" "$WORK"
 LOG="$OUT/session.log"
 log() { echo "[gpu-session +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
-fs() { PYTHONUNBUFFERED=1 "$PY" -m foresight.training "$@"; }
 
 if [ -n "${FS_SITE:-}" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
