@@ -39,12 +39,12 @@ class _Watch:
         idle_until = loop.time() + self.idle_s if self.idle_s else None
         while True:
             timeout = self.poll_s if self.disconnected is not None else None
-            for limit, error in ((self.deadline, RequestTimedOut), (idle_until, OutputStalled)):
+            for limit, error in ((self.deadline, RequestTimedOut), (idle_until, lambda: OutputStalled(self.idle_s))):
                 if limit is None:
                     continue
                 left = limit - loop.time()
                 if left <= 0:
-                    raise error() if error is RequestTimedOut else OutputStalled(self.idle_s)
+                    raise error()
                 timeout = left if timeout is None else min(timeout, left)
             done, _ = await asyncio.wait({step}, timeout=timeout)
             await self._check_connection(loop.time())

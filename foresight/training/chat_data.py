@@ -83,28 +83,20 @@ def label_chat(labeller: Labeller, data: DataDir, requests: list[ChatRequest], e
 
     def answer(batch: list[ChatRequest], first: int) -> list[list[int]]:
         sample = (first // per_call) % 2 == 1  # greedy and sampled batches in turn
-        seqs = _answer_turn(labeller, [r.messages for r in batch], encode, sample, seed + first, eos)
+        prompts = [encode(r.messages, True) for r in batch]
+        seqs = labeller.generate(prompts, sample, seed + first, eos)
         follow = [k for k, r in enumerate(batch) if r.follow_up]
         if follow:
-            second = [batch[k].messages + [{"role": "assistant", "content": _answer_text(seqs[k], batch[k], encode, decode)},
-                                           {"role": "user", "content": batch[k].follow_up}] for k in follow]
-            for k, seq in zip(follow, _answer_turn(labeller, second, encode, sample, seed + first + 1, eos,
-                                                   FOLLOW_UP_MAX_NEW)):
+            second = [encode(batch[k].messages + [
+                {"role": "assistant", "content": decode(seqs[k][len(prompts[k]):]).strip()},
+                {"role": "user", "content": batch[k].follow_up}], True) for k in follow]
+            for k, seq in zip(follow, labeller.generate(second, sample, seed + first + 1, eos, max_new=FOLLOW_UP_MAX_NEW)):
                 seqs[k] = seq
         for r, seq in zip(batch, seqs):
             kinds[r.kind] = kinds.get(r.kind, 0) + min(len(seq), labeller.s.max_len)
         return seqs
 
     label_stream(labeller, data, "chat", requests, answer, max_tokens, items_per_call=per_call)
-
-
-def _answer_turn(labeller: Labeller, conversations: list[list[dict]], encode: Encode, sample: bool, seed: int,
-                 eos: list[int], max_new: int | None = None) -> list[list[int]]:
-    return labeller.generate([encode(m, True) for m in conversations], sample, seed, eos, max_new=max_new)
-
-
-def _answer_text(seq: list[int], request: ChatRequest, encode: Encode, decode: Decode) -> str:
-    return decode(seq[len(encode(request.messages, True)):]).strip()
 
 
 __all__ = ["chat_requests", "label_chat", "REQUESTS_FILE"]

@@ -169,16 +169,38 @@ def train_adapter_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def label_streams(labeller, data, tokenizer, pick, seed: int) -> None:
+    """The chat stream (requests the target writes, then answers), then the code streams (teacher-forced
+    stdlib conversations, the target's answers to their prompts); `pick(name)` gives a recipe setting."""
+    from ..target_worker.worker import eos_ids
+    from .chat_data import chat_requests, label_chat
+    from .corpus import training_conversations
+    from .labelling import chat_ids, label_all
+
+    eos = eos_ids(labeller.model)
+    encode = lambda messages, prompt: chat_ids(tokenizer, messages, prompt)  # noqa: E731
+    if pick("chat") > 0:
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        encode_text = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        requests = chat_requests(labeller, data, encode, encode_text, decode, pick("chat"), seed, eos)
+        label_chat(labeller, data, requests, encode, decode, eos, seed, pick("chat_tokens"))
+    if pick("tokens") > 0 or pick("regen") > 0:
+        convs, dropped = training_conversations(seed)
+        data.meta["dropped_eval_overlap"] = dropped
+        data.save_meta()
+        print(f"[train] {len(convs)} stdlib conversations ({dropped} dropped for overlap with HumanEval); "
+              f"data dir {data.path}", file=sys.stderr)
+        label_all(labeller, data, convs, encode, pick("tokens"), pick("regen"), eos, seed)
+
+
 def train_drafter(args: argparse.Namespace) -> int:
     import torch
 
     from ..drafter_worker.draft_model import default_target_layers
     from ..target_worker.loading import cache_root, load_target, load_tokenizer, resolve_target
-    from .chat_data import chat_requests, label_chat
-    from .corpus import training_conversations
     from .draft_init import validate_init
     from .dataset import LabelledData
-    from .labelling import DataDir, LabelSettings, Labeller, chat_ids, label_all
+    from .labelling import DataDir, LabelSettings, Labeller
     from .train_drafter import TrainSettings, train
 
     recipe = RECIPES["cuda" if args.device.startswith("cuda") else "cpu"]
@@ -200,22 +222,7 @@ def train_drafter(args: argparse.Namespace) -> int:
         settings = LabelSettings(layers=layers, topk=topk, max_len=args.max_len, batch_size=pick("label_batch"),
                                  regen_batch=pick("regen_batch"),
                                  deadline=time.monotonic() + args.label_time if args.label_time > 0 else 0.0)
-        from ..target_worker.worker import eos_ids
-
-        labeller, encode = Labeller(target, settings), (lambda m, g: chat_ids(tokenizer, m, g))
-        if pick("chat") > 0:
-            decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-            encode_text = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-            requests = chat_requests(labeller, data, encode, encode_text, decode, pick("chat"), args.seed,
-                                     eos_ids(target))
-            label_chat(labeller, data, requests, encode, decode, eos_ids(target), args.seed, pick("chat_tokens"))
-        if pick("tokens") > 0 or pick("regen") > 0:
-            convs, dropped = training_conversations(args.seed)
-            data.meta["dropped_eval_overlap"] = dropped
-            data.save_meta()
-            print(f"[train] {len(convs)} stdlib conversations ({dropped} dropped for overlap with HumanEval); "
-                  f"data dir {data_dir}", file=sys.stderr)
-            label_all(labeller, data, convs, encode, pick("tokens"), pick("regen"), eos_ids(target), args.seed)
+        label_streams(Labeller(target, settings), data, tokenizer, pick, args.seed)
         after = sum(st["tokens"] for st in data.meta["streams"].values())
         timings["label_s"] = time.perf_counter() - t0
         timings["labelled_tokens"] = after - before

@@ -14,26 +14,10 @@ from foresight.training.draft_init import initialise, validate_init
 from foresight.training.labelling import DataDir, LabelSettings, Labeller
 from foresight.training.self_instruct import TEMPLATES, WRITTEN_KINDS, clean_written, plan, request_from
 from support.tiny_models import VOCAB, tiny_model
+from support.toy_text import toy_decode, toy_encode, toy_encode_text
 
 torch.set_num_threads(1)
 LAYERS = [1, 3]
-
-
-def toy_encode(messages: list[dict], generation_prompt: bool = False) -> list[int]:
-    ids = []
-    for m in messages:
-        ids += [1] + [3 + b % 90 for b in (m["role"] + "\n" + m["content"]).encode()]
-    return ids + ([1] if generation_prompt else [])
-
-
-def toy_encode_text(text: str) -> list[int]:
-    return [3 + b % 90 for b in text.encode()]
-
-
-def toy_decode(ids: list[int]) -> str:
-    """Any token sequence as readable text (a made-up word per token) ending like a sentence, so that
-    it passes cleaning."""
-    return " ".join(f"w{t}" for t in ids) + "."
 
 
 @pytest.fixture(scope="module")

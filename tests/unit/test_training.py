@@ -18,6 +18,7 @@ from foresight.training.eval_drafter import greedy_reference, speculate
 from foresight.training.labelling import DataDir, LabelSettings, Labeller, label_all
 from foresight.training.train_drafter import TrainSettings, build_model, kl_loss, lr_at, steps_within_budget, train
 from support.tiny_models import VOCAB, tiny_model
+from support.toy_text import toy_encode
 
 torch.set_num_threads(1)
 
@@ -37,14 +38,6 @@ class Box:
         result = width * height
         return result
 '''
-
-
-def toy_encode(messages: list[dict], generation_prompt: bool = False) -> list[int]:
-    """A byte-level stand-in for a tokenizer that fits the tiny vocabulary (ids 3..92, 1 = turn marker)."""
-    ids = []
-    for m in messages:
-        ids += [1] + [3 + b % 90 for b in (m["role"] + "\n" + m["content"]).encode()]
-    return ids + ([1] if generation_prompt else [])
 
 
 @pytest.fixture(scope="module")
