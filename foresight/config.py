@@ -10,7 +10,11 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-MODES = ("ar", "sync", "pipelined")
+# How one round of a request is run: "ar" a plain step; "sync" the drafter's own proposer (the draft model,
+# or prompt lookup with --drafter ngram) after each outcome; "pipelined" the draft model with foresight;
+# "ngram" prompt lookup; "hybrid" prompt lookup on a long match, else the draft model.
+STRATEGIES = ("ar", "sync", "pipelined", "ngram", "hybrid")
+MODES = STRATEGIES + ("auto",)  # "auto": the strategy with the best measured goodput, chosen every round
 VERIFICATIONS = ("exact", "nucleus")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 REFINEMENTS = ("none", "refresh", "anchor")  # self-refinement of pre-drafted blocks (pipelined)
@@ -29,7 +33,7 @@ class EngineConfig:
     target: str | None = None  # local HF folder; None = the embedded default
     drafter: str = "auto"  # "auto" | "ngram" | PATH to a trained drafter folder
     adapter: str = "auto"  # "auto" (<drafter>/adapter if present) | "none" | PATH: foresight for pipelined mode
-    mode: str = "auto"  # "auto" | "ar" | "sync" | "pipelined"
+    mode: str = "auto"  # one of MODES
     verification: str = "exact"
     nucleus_threshold: float = 0.95
     block_size: int = 8  # anchor + gamma draft tokens verified per round
@@ -47,6 +51,7 @@ class EngineConfig:
     drafter_threads: int = 1
     ngram_max: int = 4  # longest n-gram the prompt-lookup proposer matches
     ngram_min: int = 2  # 1-gram matches mostly propose wrong drafts, which cost verify time
+    hybrid_min_match: int = 3  # hybrid: prompt lookup drafts on a match of at least this many tokens
     draft_passes: int | None = None  # Jacobi passes after J0 (trained drafters); None = the checkpoint's default
     draft_refreshes: int | None = None  # pipelined: context refreshes per pre-drafted block at most; None = up to J
     refinement: str = "anchor"  # pipelined: "none" (passes only) | "refresh" | "anchor" (refresh + anchor replacement)
@@ -56,7 +61,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("mode", self.mode, ("auto",) + MODES)
+        _check_choice("mode", self.mode, MODES)
         _check_choice("verification", self.verification, VERIFICATIONS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("verify_length", self.verify_length, VERIFY_LENGTHS)
@@ -70,6 +75,8 @@ class EngineConfig:
             raise ConfigError("thread counts must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")
+        if not 1 <= self.hybrid_min_match <= self.ngram_max:
+            raise ConfigError("hybrid_min_match must lie in [1, ngram_max]")
         if self.decoder_layers is not None and self.decoder_layers < 1:
             raise ConfigError("decoder_layers must be >= 1")
         if self.draft_passes is not None and self.draft_passes < 0:
@@ -82,12 +89,6 @@ class EngineConfig:
     def gamma(self) -> int:
         """Draft tokens per block (the block holds the anchor plus gamma drafts)."""
         return self.block_size - 1
-
-    def resolved_mode(self, foresight: bool) -> str:
-        """`auto` picks pipelined only for drafters that support foresight."""
-        if self.mode != "auto":
-            return self.mode
-        return "pipelined" if foresight else "sync"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -167,7 +168,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=d.target, help="local Hugging Face causal-LM folder (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--drafter", default=d.drafter, help="auto | ngram | PATH to a trained drafter")
     g.add_argument("--adapter", default=d.adapter, help="auto | none | PATH to a trained adapter (foresight)")
-    g.add_argument("--mode", default=d.mode, choices=("auto",) + MODES)
+    g.add_argument("--mode", default=d.mode, choices=MODES,
+                   help="auto (default): every round, the strategy with the best measured goodput among those "
+                        "the drafter offers; ar | sync | pipelined | ngram (prompt lookup) | hybrid (prompt lookup "
+                        "on a long match, else the draft model): that strategy for every round")
     g.add_argument("--verification", default=d.verification, choices=VERIFICATIONS)
     g.add_argument("--nucleus-threshold", type=float, default=d.nucleus_threshold)
     g.add_argument("--block-size", type=int, default=d.block_size, help="anchor + draft tokens per verification")
@@ -186,6 +190,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter-threads", type=int, default=d.drafter_threads)
     g.add_argument("--ngram-max", type=int, default=d.ngram_max, help="prompt lookup: longest n-gram matched")
     g.add_argument("--ngram-min", type=int, default=d.ngram_min, help="prompt lookup: shortest n-gram matched")
+    g.add_argument("--hybrid-min-match", type=int, default=d.hybrid_min_match,
+                   help="hybrid: prompt lookup drafts on a match of at least this many tokens, else the draft model")
     g.add_argument("--draft-passes", type=int, default=d.draft_passes, help="trained drafter: Jacobi passes after J0")
     g.add_argument("--draft-refreshes", type=int, default=d.draft_refreshes,
                    help="pipelined: context refreshes per pre-drafted block at most (default: one before each pass)")

@@ -35,7 +35,7 @@ from .report import write_chart
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("benchmark")
     g.add_argument("--prompts", required=True, help="JSONL file ({'prompt'} or {'messages'} per line), 'humaneval' or 'chat'")
-    g.add_argument("--modes", default="ar,sync", help="comma-separated subset of ar,sync,pipelined")
+    g.add_argument("--modes", default="ar,sync", help="comma-separated subset of " + ",".join(MODES))
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--limit", type=int, default=None)
@@ -67,6 +67,7 @@ class ModeTally:
     predrafted: int = 0  # blocks served from the speculation cache (pre-drafted, refined)
     passes: int = 0  # refinement passes spent on those blocks
     refreshes: int = 0  # context refreshes spent on those blocks
+    strategies: dict[str, int] = field(default_factory=dict)  # rounds per strategy (mode auto's choices)
 
     def summary(self, mode: str, ar_outputs: list[list[int]] | None) -> dict:
         ms = [1e3 * x for x in self.exposed_s]
@@ -88,6 +89,7 @@ class ModeTally:
             "outputs_match_ar": match,
             "passes_mean": self.passes / self.predrafted if self.predrafted else None,
             "refreshes_mean": self.refreshes / self.predrafted if self.predrafted else None,
+            "strategy_rounds": dict(sorted(self.strategies.items())),
         }
 
 
@@ -105,6 +107,7 @@ async def run_one(engine: EngineClient, request: GenerateRequest, tally: ModeTal
         tokens.extend(out.token_ids)
         for stats in out.rounds:
             tally.rounds += 1
+            tally.strategies[stats.strategy] = tally.strategies.get(stats.strategy, 0) + 1
             tally.committed += stats.accepted + 1
             tally.drafted += stats.drafted
             tally.verify_s.append(stats.verify_s)
@@ -212,8 +215,10 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     async with engine_session(cfg, "bench") as (engine, runner, info):
         drafter = info.get("proposer", cfg.drafter)
         decoder_layers = info.get("decoder_layers")  # the depth in use, resolved by the drafter
-        if any(r.mode == "pipelined" for r in runs) and not info.get("supports_foresight"):
-            raise ConfigError(f"modes: pipelined needs a drafter that supports foresight; {drafter!r} does not")
+        missing = sorted({r.mode for r in runs} - {"auto"} - set(info.get("strategies", ())))
+        if missing:
+            raise ConfigError(f"modes: {', '.join(missing)} not offered by the drafter {drafter!r} (pipelined needs "
+                              f"foresight, hybrid a draft model); it offers {', '.join(info.get('strategies', ()))}")
         requests = build_requests(runner, items, args)
         tallies = {r.label: ModeTally() for r in runs}
         await run_interleaved(engine, requests, runs, tallies, "bench", peers)
@@ -314,8 +319,14 @@ def ratios(summary: dict) -> dict:
         tb = summary.get(b, {}).get("tokens_per_s")
         return ta / tb if ta and tb else None
 
-    return {"sync_vs_ar": r("sync", "ar"), "pipelined_vs_sync": r("pipelined", "sync"),
-            "pipelined_vs_ar": r("pipelined", "ar")}
+    out = {"sync_vs_ar": r("sync", "ar"), "pipelined_vs_sync": r("pipelined", "sync"),
+           "pipelined_vs_ar": r("pipelined", "ar"), "ngram_vs_ar": r("ngram", "ar"), "hybrid_vs_ar": r("hybrid", "ar"),
+           "auto_vs_ar": r("auto", "ar")}
+    # auto's promise: never slower than the better of plain decoding and prompt lookup
+    baselines = [m for m in ("ar", "ngram") if summary.get(m, {}).get("tokens_per_s")]
+    best = max(baselines, key=lambda m: summary[m]["tokens_per_s"], default=None)
+    out["auto_vs_best_of_ar_ngram"] = r("auto", best) if best else None
+    return {k: v for k, v in out.items() if v is not None or k in ("sync_vs_ar", "pipelined_vs_sync", "pipelined_vs_ar")}
 
 
 def machine_info(cfg: EngineConfig) -> dict:

@@ -25,7 +25,8 @@ class DraftContext:
     # keeps it aligned with `last_block` once the block is sent.
     last_confidence: list[float] = field(default_factory=list)
     round: int = 0
-    pipelined: bool = False  # pre-draft for expected outcomes while the target verifies
+    pipelined: bool = False  # this round's strategy pre-drafts for expected outcomes while the target verifies
+    proposer: str = ""  # name of the proposer that drafted `last_block` (its verify-length statistics)
     temperature: float = 1.0  # the request's sampling temperature
     refinement: str | None = None  # the request's self-refinement mode (StartDraft); None = the drafter's
     drafter_state: object = None  # the proposer's own per-request state (e.g. cached context K/V)

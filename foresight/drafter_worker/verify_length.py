@@ -166,11 +166,13 @@ class Acceptance:
 class VerifyLengthController:
     """Observes each verified block, chooses the length of the next one (see the module docstring)."""
 
-    def __init__(self, min_rounds: int = 8, explore_every: int = 16, min_length: int = 1, allow_skip: bool = True):
+    def __init__(self, min_rounds: int = 8, explore_every: int = 16, min_length: int = 1, allow_skip: bool = True,
+                 cost: CostBySize | None = None):
         """`min_rounds`: verified blocks to see before truncating; `explore_every`: every such round (by the
         request's round number) sends the full block, so long blocks keep being measured; `allow_skip`: L = 0
-        (no drafts: a plain decoding step) may win once its cost is measured (see `choose`)."""
-        self.cost = CostBySize()
+        (no drafts: a plain decoding step) may win once its cost is measured (see `choose`); `cost`: verify
+        costs shared with other controllers (they are the target's, whoever drafted)."""
+        self.cost = cost if cost is not None else CostBySize()
         self.acceptance = Acceptance()
         self.min_rounds = min_rounds
         self.explore_every = explore_every

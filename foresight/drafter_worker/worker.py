@@ -7,6 +7,10 @@ speculation cache. The next `Outcome` is answered from the cache on a hit, else 
 Messages always go first: foresight never delays an answer the target is waiting for.
 Either way the block sent is the prefix the verify-length controller expects to commit the most tokens
 per second (`verify_length.py`; `--verify-length max` sends every draft).
+
+Each `Outcome` names the strategy of the round it asks for (`strategies.py`): which proposer drafts,
+whether foresight follows, or "ar": no block at all (the context absorbs the outcome; when nothing else
+waits, the draft model absorbs the new target states too, so a later drafting round does not pay for them).
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ from ..protocol.sockets import MessageSocket
 from .ngram import NgramProposer
 from .proposer import DraftContext, Proposer
 from .speculation_cache import SpeculationCache
-from .verify_length import VerifyLengthController
+from .strategies import auto_strategies, offered_strategies
+from .verify_length import CostBySize, VerifyLengthController
 
 log = logging.getLogger("foresight.drafter")
 
@@ -75,6 +80,7 @@ class DrafterWorker:
     def __init__(self, cfg: EngineConfig, addrs: WorkerAddresses, proposer: Proposer, ctx: zmq.Context):
         self.cfg = cfg
         self.proposer = proposer
+        self.strategies = offered_strategies(proposer, cfg)  # strategy -> its proposer
         # Bound here: a drafter restarted beside a running target takes over the same address.
         self.recv_from_target = MessageSocket(ctx, zmq.PULL, addrs.target_to_drafter, bind=True)
         self.send_to_target = MessageSocket(ctx, zmq.PUSH, addrs.drafter_to_target, bind=False)
@@ -82,9 +88,14 @@ class DrafterWorker:
         self.contexts: dict[str, DraftContext] = {}
         self.cache = SpeculationCache()
         self.jobs: deque[ForesightJob] = deque()
+        self.absorb_ids: dict[str, None] = {}  # requests whose plain ("ar") rounds the model has not absorbed
         self.verify_s = 0.0  # running estimate of the target's verify time: the foresight budget
-        self.lengths = None if cfg.verify_length == "max" else \
-            VerifyLengthController(allow_skip=cfg.verify_length == "auto")
+        # One verify-length controller per proposer (acceptance is the proposer's), sharing the target's
+        # measured verify cost by block length.
+        cost = CostBySize()
+        self.lengths = None if cfg.verify_length == "max" else {
+            p.name: VerifyLengthController(allow_skip=cfg.verify_length == "auto", cost=cost)
+            for p in self.strategies.values()}
         self.stopping = False
         self.heartbeats = Heartbeats(ctx, addrs.workers_to_api, "drafter")
         self.handlers = {
@@ -98,6 +109,7 @@ class DrafterWorker:
         self.send_to_api.send(WorkerReady(worker="drafter", pid=os.getpid(), info={
             "proposer": self.proposer.name, "hidden_layers": self.proposer.hidden_layers,
             "supports_foresight": self.proposer.supports_foresight,
+            "strategies": ["ar"] + sorted(self.strategies), "auto_strategies": auto_strategies(self.strategies),
             "decoder_layers": getattr(getattr(self.proposer, "decoder", None), "n_layers", None)}))
         with self.heartbeats:
             self.loop()
@@ -105,35 +117,44 @@ class DrafterWorker:
     def loop(self) -> None:
         while not self.stopping:
             self.heartbeats.turn()
-            msg = self.recv_from_target.recv(timeout_ms=0 if self.jobs else IDLE_POLL_MS)
+            msg = self.recv_from_target.recv(timeout_ms=0 if self.jobs or self.absorb_ids else IDLE_POLL_MS)
             if msg is not None:
                 self.handlers[type(msg)](msg)
             elif self.jobs:
                 self.run_foresight(self.jobs.popleft())
+            elif self.absorb_ids:
+                self.absorb_idle(next(iter(self.absorb_ids)))
 
     def on_start(self, msg: StartDraft) -> None:
         hidden = [msg.hidden] if msg.hidden is not None else []
         self.contexts[msg.req_id] = DraftContext(req_id=msg.req_id, tokens=list(msg.prompt_ids), seed=msg.seed,
-                                                 hidden=hidden, pipelined=msg.mode == "pipelined",
-                                                 temperature=msg.temperature, refinement=msg.refinement)
+                                                 hidden=hidden, temperature=msg.temperature,
+                                                 refinement=msg.refinement, proposer=self.proposer.name)
 
     def on_outcome(self, msg: Outcome) -> None:
         """Verification of the last block ended at (k, a): answer with the next block at once."""
         ctx = self.contexts.get(msg.req_id)
         if ctx is None:
             return  # released meanwhile
-        if msg.verify_s > 0:
+        if msg.verify_s > 0 and ctx.last_block:  # the budget is a block's verify, not a plain step's
             self.verify_s += VERIFY_EMA * (msg.verify_s - self.verify_s) if self.verify_s else msg.verify_s
         if self.lengths is not None:  # before absorb: last_block is the block that was verified
-            self.lengths.observe(len(ctx.last_block), msg.accepted, msg.verify_s, ctx.last_confidence)
+            self.lengths[ctx.proposer].observe(len(ctx.last_block), msg.accepted, msg.verify_s, ctx.last_confidence)
         ctx.absorb(msg.accepted, msg.bonus, msg.hidden)
         ctx.round = msg.round
+        proposer = self.strategies.get(msg.strategy)
+        ctx.pipelined = msg.strategy == "pipelined"
+        if proposer is None:  # "ar": the target takes a plain step and waits for nothing
+            self.absorb_ids[msg.req_id] = None
+            return
+        self.absorb_ids.pop(msg.req_id, None)
+        ctx.proposer = proposer.name
         t0 = time.perf_counter()
         entry = self.cache.lookup(msg.req_id, msg.round, msg.accepted, msg.bonus) if ctx.pipelined else None
         if entry is not None:
             tokens, confidence = list(entry.tokens[: msg.max_drafts]), list(entry.confidence[: msg.max_drafts])
         else:
-            tokens, confidence = self.propose(ctx, self.draft_length(msg.max_drafts, msg.round))
+            tokens, confidence = self.propose(proposer, ctx, self.draft_length(ctx, msg.max_drafts, msg.round))
         tokens, confidence = self.verify_prefix(ctx, tokens, confidence, time.perf_counter() - t0)
         ctx.last_block, ctx.last_confidence = tokens, confidence
         self.send_to_target.send(DraftBlock(
@@ -144,19 +165,31 @@ class DrafterWorker:
         if ctx.pipelined and tokens:
             self.jobs.append(ForesightJob(msg.req_id, msg.round, msg.max_drafts))
 
-    def propose(self, ctx: DraftContext, max_drafts: int) -> tuple[list[int], list[float]]:
+    def propose(self, proposer: Proposer, ctx: DraftContext, max_drafts: int) -> tuple[list[int], list[float]]:
         """A fresh block and the proposer's confidence in each token (empty: it gives none)."""
         ctx.last_confidence = []
         try:
-            tokens = self.proposer.propose(ctx, max_drafts)[:max_drafts]
+            tokens = proposer.propose(ctx, max_drafts)[:max_drafts]
         except Exception:  # a failing proposal costs this round its drafts, never the request
             log.exception("request %s: drafting failed; this round goes without drafts", ctx.req_id)
             return [], []
         return tokens, ctx.last_confidence[: len(tokens)]
 
-    def draft_length(self, max_drafts: int, round_: int) -> int:
+    def absorb_idle(self, req_id: str) -> None:
+        """Idle time after plain rounds: let the draft model absorb the states they committed."""
+        self.absorb_ids.pop(req_id, None)
+        ctx = self.contexts.get(req_id)
+        absorb = getattr(self.proposer, "absorb", None)
+        if ctx is None or absorb is None:
+            return
+        try:
+            absorb(ctx)
+        except Exception:  # the next drafting round absorbs them (and reports a failure there)
+            log.exception("request %s: absorbing target states failed", req_id)
+
+    def draft_length(self, ctx: DraftContext, max_drafts: int, round_: int) -> int:
         """Drafts worth drafting for request round `round_` (all without the verify-length controller)."""
-        return max_drafts if self.lengths is None else self.lengths.draft_length(max_drafts, round_)
+        return max_drafts if self.lengths is None else self.lengths[ctx.proposer].draft_length(max_drafts, round_)
 
     def verify_prefix(self, ctx: DraftContext, tokens: list[int], confidence: list[float],
                       draft_s: float) -> tuple[list[int], list[float]]:
@@ -166,7 +199,7 @@ class DrafterWorker:
             confidence = []  # misaligned: treat as no confidence
         if self.lengths is None or not tokens:
             return tokens, confidence
-        n = self.lengths.choose(len(tokens), confidence, ctx.round, fixed_s=draft_s)
+        n = self.lengths[ctx.proposer].choose(len(tokens), confidence, ctx.round, fixed_s=draft_s)
         return tokens[:n], confidence[:n]
 
     def run_foresight(self, job: ForesightJob) -> None:
@@ -175,7 +208,7 @@ class DrafterWorker:
         if ctx is None or ctx.round != job.round:
             return  # released, or the target was faster than us: the job is stale
         try:
-            max_drafts = self.draft_length(job.max_drafts, job.round + 1)  # the entries answer round+1
+            max_drafts = self.draft_length(ctx, job.max_drafts, job.round + 1)  # the entries answer round+1
             entries = self.proposer.foresee(ctx, ctx.last_block, max_drafts, self.verify_s)
         except Exception:
             log.exception("request %s: foresight drafting failed; the next round misses the cache", job.req_id)
@@ -184,6 +217,7 @@ class DrafterWorker:
 
     def on_release(self, msg: ReleaseDraft) -> None:
         self.contexts.pop(msg.req_id, None)
+        self.absorb_ids.pop(msg.req_id, None)
         self.cache.drop(msg.req_id)
 
     def on_shutdown(self, msg: Shutdown) -> None:

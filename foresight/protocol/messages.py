@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode
 
 MESSAGE_TYPES: dict[str, type] = {}
 
@@ -54,7 +54,7 @@ class GenerateRequest:
     sampling: SamplingParams
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    mode: str | None = None  # "ar" | "sync" | "pipelined"; None = the server's mode (bench sets it)
+    mode: str | None = None  # one of config.MODES; None = the server's mode (bench sets it)
     refinement: str | None = None  # pipelined: "none" | "refresh" | "anchor"; None = the server's (bench sets it)
 
 
@@ -97,6 +97,7 @@ class RoundStats:
     cache_hit: bool | None  # None when no speculation cache was consulted
     passes: int = 0  # drafter refinement passes used for the block
     refreshes: int = 0  # drafter context refreshes used for the block
+    strategy: str = "ar"  # how the round ran (config.STRATEGIES); in mode auto, what the chooser picked
 
 
 @message
@@ -160,7 +161,6 @@ class StartDraft:
     req_id: str
     prompt_ids: list[int]
     seed: int  # for the drafter's own noise; derived so it never mirrors the target's draws
-    mode: str = "sync"  # "sync" | "pipelined": pre-draft for expected outcomes while the target verifies
     temperature: float = 1.0  # the request's sampling temperature (foresight ranks outcomes for it)
     refinement: str | None = None  # the request's self-refinement mode (GenerateRequest); None = the drafter's
     hidden: torch.Tensor | None = None  # [prompt_len, n_layers * hidden] or None
@@ -181,6 +181,9 @@ class Outcome:
     max_drafts: int  # at most this many draft tokens are wanted (limits near max_tokens)
     verify_s: float = 0.0  # the target's last verify time: the drafter's foresight budget (paper Eq. 3)
     hidden: torch.Tensor | None = None  # [accepted + 1, n_layers * hidden] states of committed positions
+    # How round `round` runs (config.STRATEGIES). "ar": the target takes a plain step and wants no block;
+    # the drafter only absorbs the outcome, so its context stays current for a later drafting round.
+    strategy: str = "sync"
 
 
 @message

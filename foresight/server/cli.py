@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return serve(args, engine)
         if args.command == "eval-quality":
-            check_pipelined(engine)
+            check_mode(engine)
             from ..bench.quality import run_quality
 
             return run_quality(args, engine)
@@ -61,13 +61,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def check_pipelined(engine) -> None:
-    """`--mode pipelined` needs a foresight drafter: say so before any model is loaded (the workers would
-    only find out at start-up, inside the server's lifespan, as a traceback)."""
-    if engine.mode != "pipelined":
-        return
+def check_mode(engine) -> None:
+    """`--mode pipelined` needs a foresight drafter, `--mode hybrid` a draft model: say so before any model is
+    loaded (the workers would only find out at start-up, inside the server's lifespan, as a traceback)."""
+    from ..drafter_worker.jetspec_proposer import resolve_drafter_path
     from ..drafter_worker.worker import why_no_foresight
 
+    if engine.mode == "hybrid" and resolve_drafter_path(engine) is None:
+        raise ConfigError(f"--mode hybrid needs a trained drafter (--drafter {engine.drafter} means prompt lookup "
+                          f"alone here); use --mode ngram, sync or ar")
+    if engine.mode != "pipelined":
+        return
     why = why_no_foresight(engine)
     if why is not None:
         raise ConfigError(f"--mode pipelined needs a drafter with foresight (a trained drafter and its adapter): "
@@ -82,7 +86,7 @@ def serve(args: argparse.Namespace, engine) -> int:
     """Serve until SIGTERM/SIGINT (then drain) or until the engine gives up; 0 after a clean drain,
     1 when a worker's restart budget was spent."""
     cfg = server_from_args(args, engine)
-    check_pipelined(engine)
+    check_mode(engine)
     import logging
 
     import uvicorn

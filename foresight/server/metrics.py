@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from foresight.config import STRATEGIES
 from foresight.protocol.messages import RoundStats
 
 PREFIX = "foresight_"
@@ -78,6 +79,9 @@ class ServerMetrics:
                                    SMALL_INT_BUCKETS).labels(m)
         self.nucleus_extra = counter("nucleus_extra_accepted_tokens_total",
                                      "Acceptances only the nucleus gate allowed.").labels(m)
+        self._strategy_rounds = counter("strategy_rounds_total",
+                                        "Verification rounds by strategy (mode auto's choices among them).",
+                                        "strategy")
         # workers
         self._worker_up = gauge("worker_up", "1 while the worker is alive and ready.", "worker")
         self._worker_restarts = counter("worker_restarts_total", "Worker restarts by the supervisor.", "worker")
@@ -91,6 +95,8 @@ class ServerMetrics:
             self._worker_restarts.labels(m, worker)
         for pos in range(max_draft_tokens):
             self._accepted_per_pos.labels(m, str(pos))
+        for strategy in STRATEGIES:
+            self._strategy_rounds.labels(m, strategy)
 
     # ------------------------------------------------------------ requests
 
@@ -139,6 +145,7 @@ class ServerMetrics:
         if stats.exposed_draft_s is not None:
             self.exposed_draft.observe(stats.exposed_draft_s)
         self.verify.observe(stats.verify_s)
+        self._strategy_rounds.labels(self.model_name, stats.strategy).inc()
         if stats.nucleus_extra:
             self.nucleus_extra.inc(stats.nucleus_extra)
 

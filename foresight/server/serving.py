@@ -62,9 +62,11 @@ class SpecTally:
     lookups: int = 0
     hits: int = 0
     exposed_s: list[float] = field(default_factory=list)
+    strategies: dict[str, int] = field(default_factory=dict)  # rounds per strategy (mode auto's choices)
 
     def add(self, stats: RoundStats, committed: int) -> None:
         self.rounds += 1
+        self.strategies[stats.strategy] = self.strategies.get(stats.strategy, 0) + 1
         self.committed += committed
         self.draft_tokens += stats.drafted
         self.accepted_tokens += stats.accepted
@@ -85,6 +87,7 @@ class SpecTally:
             "nucleus_extra_accepted_tokens": self.nucleus_extra,
             "cache_hit_rate": self.hits / self.lookups if self.lookups else None,
             "exposed_draft_ms_mean": 1e3 * sum(self.exposed_s) / len(self.exposed_s) if self.exposed_s else None,
+            "strategy_rounds": dict(self.strategies),
         }
 
 

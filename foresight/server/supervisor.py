@@ -149,18 +149,19 @@ class Supervisor:
         self._check_drafter(drafter)
         self._pair_drafter = drafter.info
         layers = list(drafter.info.get("hidden_layers", []))
-        foresight = bool(drafter.info.get("supports_foresight", False))
-        await self._spawn("target", (self.cfg.to_dict(), self.addrs.to_dict(), layers, foresight))
+        await self._spawn("target", (self.cfg.to_dict(), self.addrs.to_dict(), layers,
+                                     list(drafter.info["strategies"]), list(drafter.info["auto_strategies"])))
 
     def _check_drafter(self, drafter: WorkerReady) -> None:
-        if self.cfg.mode == "pipelined" and not drafter.info.get("supports_foresight", False):
-            raise WorkerStartError(f"mode pipelined needs a drafter that supports foresight; "
-                                   f"{drafter.info.get('proposer')!r} does not (use --mode sync or ar)")
+        if self.cfg.mode != "auto" and self.cfg.mode not in drafter.info["strategies"]:
+            raise WorkerStartError(f"mode {self.cfg.mode} is not offered by the drafter "
+                                   f"{drafter.info.get('proposer')!r} (it offers auto, "
+                                   f"{', '.join(drafter.info['strategies'])})")
 
     async def _start_drafter_alone(self) -> None:
         """A new drafter beside the running target; it must want what the target was started with."""
         drafter = await self._spawn("drafter", (self.cfg.to_dict(), self.addrs.to_dict()))
-        wanted = {k: self._pair_drafter.get(k) for k in ("hidden_layers", "supports_foresight")}
+        wanted = {k: self._pair_drafter.get(k) for k in ("hidden_layers", "strategies", "auto_strategies")}
         if {k: drafter.info.get(k) for k in wanted} != wanted:
             await self._kill(self.workers["drafter"])
             raise WorkerStartError(f"the restarted drafter differs from the one the target was started with "

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..protocol.messages import GenerateRequest
+from .strategy_choice import RequestChoice
 
 
 @dataclass(slots=True)
 class RequestState:
     request: GenerateRequest
-    mode: str  # "ar" | "sync" | "pipelined"
+    mode: str  # config.MODES
     generator: torch.Generator
     cache: object = None  # DynamicCache once prefilled
     output_ids: list[int] = field(default_factory=list)
@@ -21,6 +22,8 @@ class RequestState:
     # The drafter holds this request's context and answers its outcomes. False in `ar` mode, and for a
     # request that started or went on while the drafter was down: it takes plain one-token steps.
     drafting: bool = False
+    strategy: str = "ar"  # how the current round runs (config.STRATEGIES): the mode, or auto's choice
+    choice: RequestChoice | None = None  # mode auto: this request's side of the strategy choice
     block: list[int] | None = None  # drafts received for `round`
     block_cache_hit: bool | None = None
     block_passes: int = 0
@@ -29,6 +32,8 @@ class RequestState:
     outcome_sent_at: float = 0.0  # when we asked the drafter for `round`'s block
     block_received_at: float = 0.0
     arrived_at: float = field(default_factory=time.perf_counter)
+    round_started_at: float = 0.0  # when the target finished this request's previous step
+    busy_mark: float = 0.0  # the worker's step seconds (all requests) at that moment
 
     @property
     def req_id(self) -> str:
@@ -38,13 +43,19 @@ class RequestState:
     def prefilled(self) -> bool:
         return self.cache is not None
 
+    def awaits_block(self) -> bool:
+        """Does the current round verify a block from the drafter (not a plain step)?"""
+        return self.drafting and self.strategy != "ar"
+
     def ready(self) -> bool:
         """Can the target do this request's next step without waiting for the drafter?"""
-        return not self.prefilled or not self.drafting or self.block is not None
+        return not self.prefilled or not self.awaits_block() or self.block is not None
 
     def detach(self) -> None:
         """Go on without the drafter (it is down): plain steps from now on, nothing awaited."""
         self.drafting = False
+        self.strategy = "ar"
+        self.choice = None
         self.block = None
         self.block_cache_hit = None
         self.block_passes = self.block_refreshes = 0

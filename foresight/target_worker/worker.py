@@ -9,6 +9,11 @@ The drafter is optional to correctness: every committed token is the target's ow
 drafter is down (`DrafterStatus(up=False)` from the supervisor) requests take plain one-token steps
 instead of waiting; they stay on plain steps until they end, because a restarted
 drafter has lost their contexts. Requests that start once it is back (`DrafterStatus(up=True)`) draft.
+
+Each round of a request runs one strategy (config.STRATEGIES), named in the `Outcome` that asks for its
+block: the request's mode, or in mode `auto` the one `strategy_choice.StrategyChooser` picks from the
+goodput measured so far. An `auto` round that runs "ar" still tells the drafter its outcome (so the
+drafter's context stays current) but waits for no block.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from collections import OrderedDict
 import torch
 import zmq
 
-from ..config import REFINEMENTS, EngineConfig
+from ..config import MODES, REFINEMENTS, EngineConfig
 from ..protocol.addresses import WorkerAddresses
 from ..protocol.messages import (
     AbortRequest,
@@ -42,6 +47,7 @@ from ..protocol.transport import default_transport
 from .loading import load_target, resolve_dtype, resolve_target
 from .request_state import RequestState
 from .runner import TargetRunner
+from .strategy_choice import StrategyChooser, request_group
 from .verification import Verdict, verify
 
 log = logging.getLogger("foresight.target")
@@ -49,13 +55,19 @@ log = logging.getLogger("foresight.target")
 IDLE_POLL_MS = 100
 # What the api hears of an unexpected failure; the details go to this worker's log with the request id.
 INTERNAL_ERROR = "internal error in the target worker"
+# What a prompt-lookup drafter offers (`drafter_worker.strategies`); the drafter reports its own in WorkerReady.
+NGRAM_STRATEGIES = ("ar", "ngram", "sync")
 
 
 class TargetWorker:
     def __init__(self, cfg: EngineConfig, addrs: WorkerAddresses, runner: TargetRunner, ctx: zmq.Context,
-                 eos_token_ids: list[int], max_model_len: int, foresight: bool = False):
+                 eos_token_ids: list[int], max_model_len: int, strategies: tuple[str, ...] = NGRAM_STRATEGIES,
+                 auto_strategies: tuple[str, ...] = ("ar", "sync")):
+        """`strategies`: what the drafter offers ("ar" included); `auto_strategies`: what mode auto picks from."""
         self.cfg = cfg
-        self.foresight = foresight  # the drafter can pre-draft (pipelined mode is available)
+        self.strategies = tuple(strategies)
+        self.chooser = StrategyChooser(auto_strategies)
+        self.busy_s = 0.0  # seconds spent in steps so far, all requests (a round's own time excludes others')
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -98,7 +110,10 @@ class TargetWorker:
             if state is None:
                 self.poller.poll(IDLE_POLL_MS)
                 continue
+            t0 = time.perf_counter()
             self.step(state)
+            self.busy_s += time.perf_counter() - t0
+            state.round_started_at, state.busy_mark = time.perf_counter(), self.busy_s
 
     def drain(self, sock: MessageSocket) -> None:
         while (msg := sock.recv_nowait()) is not None:
@@ -126,10 +141,13 @@ class TargetWorker:
     # ------------------------------------------------------------------ handlers
 
     def on_generate(self, req: GenerateRequest) -> None:
-        mode = req.mode or self.cfg.resolved_mode(self.foresight)
-        if mode == "pipelined" and not self.foresight:
+        mode = req.mode or self.cfg.mode
+        if mode not in MODES or (mode != "auto" and mode not in self.strategies):
+            offered = ", ".join(("auto",) + self.strategies)
             self.send_to_api.send(RequestFailed(req_id=req.req_id, status=400,
-                                                error="mode 'pipelined' needs a drafter that supports foresight"))
+                                                error=f"mode {mode!r} is not offered by this drafter; choose "
+                                                      f"from {offered} (pipelined needs foresight, hybrid a "
+                                                      f"draft model)"))
             return
         if req.refinement is not None and req.refinement not in REFINEMENTS:
             self.send_to_api.send(RequestFailed(req_id=req.req_id, status=400,
@@ -170,7 +188,7 @@ class TargetWorker:
 
     def on_block(self, block: DraftBlock) -> None:
         state = self.requests.get(block.req_id)
-        if state is None or not state.drafting or block.round != state.round or state.block is not None:
+        if state is None or not state.awaits_block() or block.round != state.round or state.block is not None:
             return  # stale: an older round, a request that ended or went on without the drafter
         state.block = block.tokens[: self.max_drafts(state)]
         state.block_cache_hit = block.cache_hit
@@ -188,13 +206,14 @@ class TargetWorker:
         if state.mode != "ar":
             state.drafting = self.to_drafter(StartDraft(
                 req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.generator),
-                mode=state.mode, temperature=req.sampling.temperature, refinement=req.refinement,
-                hidden=result.hidden))
+                temperature=req.sampling.temperature, refinement=req.refinement, hidden=result.hidden))
+        if state.mode == "auto" and state.drafting:
+            state.choice = self.chooser.start(request_group(req.sampling.temperature))
         self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True)
 
     def verify_round(self, state: RequestState) -> None:
         req = state.request
-        with_drafts = state.drafting
+        with_drafts = state.awaits_block()
         draft = state.take_block() if with_drafts else []
         exposed = state.block_received_at - state.outcome_sent_at if with_drafts else None
         t0 = time.perf_counter()
@@ -205,7 +224,7 @@ class TargetWorker:
         stats = RoundStats(drafted=len(draft), accepted=verdict.accepted, nucleus_extra=verdict.nucleus_extra,
                            verify_s=state.last_verify_s, exposed_draft_s=exposed,
                            cache_hit=state.block_cache_hit, passes=state.block_passes,
-                           refreshes=state.block_refreshes)
+                           refreshes=state.block_refreshes, strategy=state.strategy)
         committed = draft[: verdict.accepted] + [verdict.token]
         hidden = result.hidden[: verdict.accepted + 1] if result.hidden is not None else None
         self.commit(state, committed, verdict.accepted, stats, hidden)
@@ -225,11 +244,24 @@ class TargetWorker:
         state.anchor = tokens[-1]
         state.round += 1
         if state.drafting:
+            state.strategy = self.next_strategy(state, len(tokens) if stats else None)
             state.outcome_sent_at = time.perf_counter()
             if not self.to_drafter(Outcome(req_id=state.req_id, round=state.round, accepted=accepted,
                                            bonus=state.anchor, max_drafts=self.max_drafts(state),
-                                           verify_s=state.last_verify_s, hidden=hidden)):
+                                           verify_s=state.last_verify_s, hidden=hidden,
+                                           strategy=state.strategy)):
                 state.detach()  # no block will come for this round
+
+    def next_strategy(self, state: RequestState, committed: int | None) -> str:
+        """The strategy of the request's next round; in mode auto, after measuring the round that just
+        committed `committed` tokens (None: the prefill, which is not a round)."""
+        if state.choice is None:
+            return state.mode
+        if committed is not None:
+            own_s = (time.perf_counter() - state.round_started_at) - (self.busy_s - state.busy_mark)
+            self.chooser.observe(state.choice, committed, own_s)
+            self.chooser.advance(state.choice)
+        return state.choice.current
 
     def apply_stops(self, state: RequestState, tokens: list[int]) -> tuple[list[int], str | None]:
         req = state.request
@@ -257,7 +289,8 @@ class TargetWorker:
             self.to_drafter(ReleaseDraft(req_id=req_id))
 
 
-def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], foresight: bool = False) -> None:
+def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], strategies: list[str],
+         auto_strategies: list[str]) -> None:
     """Process entry point (spawned by the launcher)."""
     prepare_worker_process()
     cfg = EngineConfig.from_dict(cfg_dict)
@@ -269,7 +302,8 @@ def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], foresight: 
         model = load_target(path, resolve_dtype(cfg.dtype, cfg.target_device), cfg.target_device)
         runner = TargetRunner(model, hidden_layers)
         max_len = cfg.max_model_len or model.config.max_position_embeddings
-        TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, foresight).run()
+        TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),
+                     tuple(auto_strategies)).run()
 
 
 def verify_block(logits: torch.Tensor, draft: list[int], sampling, generator: torch.Generator) -> Verdict:

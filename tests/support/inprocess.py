@@ -10,6 +10,7 @@ import threading
 import zmq
 
 from foresight.config import EngineConfig
+from foresight.drafter_worker.strategies import auto_strategies
 from foresight.drafter_worker.worker import DrafterWorker, make_proposer
 from foresight.protocol.addresses import WorkerAddresses
 from foresight.protocol.messages import GenerateRequest, RequestFailed, SamplingParams, Shutdown, TokenOutput, WorkerReady
@@ -30,7 +31,8 @@ class InProcessEngine:
         runner = TargetRunner(model, proposer.hidden_layers)
         self.target = TargetWorker(self.cfg, self.addrs, runner, self.ctx, eos_ids(model),
                                    max_model_len or model.config.max_position_embeddings,
-                                   foresight=proposer.supports_foresight)
+                                   strategies=("ar",) + tuple(self.drafter.strategies),
+                                   auto_strategies=tuple(auto_strategies(self.drafter.strategies)))
         self.threads = [threading.Thread(target=w.run, daemon=True) for w in (self.drafter, self.target)]
         for t in self.threads:
             t.start()

@@ -180,7 +180,8 @@ def fake_supervisor(events: Events, max_restarts=5) -> Supervisor:
         if name in sup.fail_starts:
             handle.process.exitcode = 1
             raise WorkerStartError(f"{name} worker exited during start-up")
-        handle.ready = WorkerReady(worker=name, pid=handle.process.pid, info={"hidden_layers": [1]})
+        handle.ready = WorkerReady(worker=name, pid=handle.process.pid, info={
+            "hidden_layers": [1], "strategies": ["ar", "sync"], "auto_strategies": ["ar", "sync"]})
         sup.heartbeats.watch(name)
         sup._set_state(name, UP)
         return handle.ready

@@ -1,4 +1,6 @@
-from foresight.drafter_worker.ngram import lookup
+from foresight.drafter_worker.ngram import NgramProposer, lookup, lookup_match
+from foresight.drafter_worker.proposer import DraftContext
+from foresight.drafter_worker.strategies import HybridProposer
 
 
 def test_longest_most_recent_match_wins():
@@ -17,3 +19,26 @@ def test_no_match_gives_no_draft():
     assert lookup([1, 2, 3, 4], 5, n_max=3, n_min=1) == []
     assert lookup([1, 2, 3, 1], 5, n_max=3, n_min=2) == []
     assert lookup([5], 5, n_max=3, n_min=1) == []
+
+
+def test_inside_a_run_an_earlier_occurrence_gives_the_whole_continuation():
+    tokens = [4, 7, 7, 7, 7, 7, 7]
+    # the most recent occurrence of [7, 7] is followed by one 7 only; the first one by four
+    assert lookup(tokens, 3, n_max=2, n_min=2) == [7, 7, 7]
+    assert lookup_match([1, 2, 5, 1, 2], 4, n_max=3, n_min=1) == ([5, 1, 2], 2)  # longest there is
+
+
+def test_hybrid_drafts_by_lookup_on_a_long_match_else_by_the_model():
+    class Model:
+        name, hidden_layers, supports_foresight = "m", [1], False
+
+        def propose(self, ctx, max_drafts):
+            ctx.last_confidence = [0.9] * max_drafts
+            return [99] * max_drafts
+
+    hybrid = HybridProposer(Model(), NgramProposer(4, 2), min_match=3)
+    repeat = DraftContext(req_id="r", tokens=[1, 2, 3, 4, 8, 1, 2, 3], seed=0)
+    assert hybrid.propose(repeat, 2) == [4, 8] and repeat.last_confidence == []
+    short = DraftContext(req_id="s", tokens=[1, 2, 3, 4, 8, 2, 3], seed=0)  # only a 2-gram repeats
+    assert hybrid.propose(short, 2) == [99, 99] and short.last_confidence == [0.9, 0.9]
+    assert hybrid.hidden_layers == [1]

@@ -98,7 +98,8 @@ def test_stale_block_is_dropped(model):
                           eos_token_ids=[], max_model_len=256)  # not running: we call its handler directly
     try:
         request = GenerateRequest(req_id="s", prompt_ids=[1], max_tokens=10, sampling=SamplingParams())
-        state = RequestState(request=request, mode="sync", generator=torch.Generator(), drafting=True)
+        state = RequestState(request=request, mode="sync", generator=torch.Generator(), drafting=True,
+                             strategy="sync")
         state.round = 3
         worker.requests["s"] = state
         worker.on_block(DraftBlock(req_id="s", round=2, tokens=[1, 2]))

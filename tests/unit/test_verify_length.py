@@ -165,8 +165,9 @@ def test_auto_verify_length_is_lossless(drafter):
     proposer = make_proposer(drafter, model)
     engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6), proposer=proposer)
     worker = engine.drafter
-    worker.lengths.min_rounds, worker.lengths.explore_every = 2, 5  # truncate early: the requests are short
-    worker.lengths.cost = SteepCost()
+    lengths = worker.lengths[(proposer or worker.proposer).name]  # the controller of mode sync's proposer
+    lengths.min_rounds, lengths.explore_every = 2, 5  # truncate early: the requests are short
+    lengths.cost = SteepCost()
     choices = []  # (drafts proposed, drafts sent)
     prefix = worker.verify_prefix
 
@@ -183,7 +184,7 @@ def test_auto_verify_length_is_lossless(drafter):
             assert got["tokens"] == plain_greedy(model, prompt, 40, eos=model.config.eos_token_id)
     finally:
         engine.close()
-    assert worker.lengths.rounds > 2
+    assert lengths.rounds > 2
     if drafter != "ngram":
         assert any(0 < sent < n for n, sent in choices), "no block was truncated: the test exercised nothing"
 

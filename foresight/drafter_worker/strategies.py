@@ -1,0 +1,63 @@
+"""The drafting strategies one drafter worker offers, each a proposer.
+
+A drafter loads one primary proposer (`make_proposer`): a draft model (with foresight when an adapter
+comes with it) or prompt lookup. Around it the worker offers every strategy that costs no other model:
+
+    sync       the primary proposer after each outcome
+    pipelined  the primary with foresight (only when it supports it)
+    ngram      prompt lookup (the primary itself under --drafter ngram)
+    hybrid     prompt lookup when the context repeats a long enough n-gram, else the draft model
+
+The target chooses one per round (`Outcome.strategy`); "ar" (a plain step) needs no proposer.
+"""
+from __future__ import annotations
+
+from ..config import EngineConfig
+from .ngram import NgramProposer, lookup_match
+from .proposer import DraftContext, Proposer
+
+
+class HybridProposer:
+    """Prompt lookup when the context ends in an n-gram of at least `min_match` tokens seen before (what
+    follows it is then usually right, and costs nothing to draft), else the draft model."""
+
+    name = "hybrid"
+    supports_foresight = False
+
+    def __init__(self, model: Proposer, ngram: NgramProposer, min_match: int):
+        self.model = model
+        self.ngram = ngram
+        self.min_match = max(min_match, ngram.n_min)
+        self.hidden_layers = list(model.hidden_layers)
+
+    def propose(self, ctx: DraftContext, max_drafts: int) -> list[int]:
+        follow, n = lookup_match(ctx.tokens, max_drafts, self.ngram.n_max, self.min_match)
+        if n >= self.min_match:
+            ctx.last_confidence = []  # prompt lookup gives no confidences
+            return follow
+        return self.model.propose(ctx, max_drafts)
+
+
+def auto_strategies(offered: dict[str, Proposer]) -> list[str]:
+    """What mode `auto` chooses among: "ar" and each offered strategy that drafts differently from the
+    ones before it (under --drafter ngram, "sync" is prompt lookup: the same as "ngram")."""
+    out, seen = ["ar"], set()
+    for name in ("sync", "pipelined", "ngram", "hybrid"):
+        proposer = offered.get(name)
+        key = (id(proposer), name == "pipelined")
+        if proposer is not None and key not in seen:
+            seen.add(key)
+            out.append(name)
+    return out
+
+
+def offered_strategies(primary: Proposer, cfg: EngineConfig) -> dict[str, Proposer]:
+    """Strategy -> the proposer that drafts it, for every drafting strategy this drafter can run."""
+    if isinstance(primary, NgramProposer):
+        return {"sync": primary, "ngram": primary}
+    ngram = NgramProposer(cfg.ngram_max, cfg.ngram_min)
+    out: dict[str, Proposer] = {"sync": primary, "ngram": ngram,
+                                "hybrid": HybridProposer(primary, ngram, cfg.hybrid_min_match)}
+    if primary.supports_foresight:
+        out["pipelined"] = primary
+    return out

@@ -1,0 +1,105 @@
+"""Mode auto's strategy chooser on simulated rounds: what it tries, what it settles on, what exploring costs,
+and how fast it follows a change."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from foresight.target_worker.strategy_choice import StrategyChooser, request_group
+
+STRATEGIES = ("ar", "sync", "pipelined", "ngram", "hybrid")
+
+
+def run(chooser: StrategyChooser, speed: dict[str, tuple[int, float]], requests: int, rounds: int = 40,
+        rng: random.Random | None = None) -> list[dict[str, int]]:
+    """Serve `requests` requests of `rounds` rounds; `speed[s]` = (tokens, seconds) of one round of s
+    (jittered by +-20 %). Returns each request's rounds per strategy."""
+    rng = rng or random.Random(0)
+    used = []
+    for _ in range(requests):
+        choice = chooser.start("greedy")
+        for _ in range(rounds):
+            tokens, seconds = speed[choice.current]
+            chooser.observe(choice, tokens, seconds * rng.uniform(0.8, 1.2))
+            chooser.advance(choice)
+        used.append(dict(choice.rounds))
+    return used
+
+
+def share(rounds: dict[str, int], *strategies: str) -> float:
+    return sum(rounds.get(s, 0) for s in strategies) / sum(rounds.values())
+
+
+SPEEDS = {"ar": (1, 0.030), "sync": (2, 0.040), "pipelined": (2, 0.050), "ngram": (1, 0.031), "hybrid": (2, 0.045)}
+
+
+def test_every_strategy_is_tried_then_the_best_one_runs():
+    chooser = StrategyChooser(STRATEGIES)
+    used = run(chooser, SPEEDS, requests=12)
+    first = used[0]
+    assert set(first) == set(STRATEGIES), "the first request tries each strategy once"
+    assert all(n >= 3 for n in first.values()), "each is tried until two rounds are measured"
+    later = {s: sum(u.get(s, 0) for u in used[1:]) for s in STRATEGIES}
+    assert share(later, "sync") > 0.9, later
+
+
+def test_exploring_costs_little_in_a_steady_workload():
+    chooser = StrategyChooser(STRATEGIES)
+    used = run(chooser, SPEEDS, requests=50)[5:]
+    total = {s: sum(u.get(s, 0) for u in used) for s in STRATEGIES}
+    best_rate = 2 / 0.040
+    tokens = sum(SPEEDS[s][0] * n for s, n in total.items())
+    seconds = sum(SPEEDS[s][1] * n for s, n in total.items())
+    assert tokens / seconds > 0.985 * best_rate, total
+    assert all(total[s] > 0 for s in STRATEGIES), f"every rival is re-checked now and then: {total}"
+
+
+def test_a_strategy_that_stops_paying_is_dropped_within_a_request():
+    chooser = StrategyChooser(STRATEGIES)
+    speeds = dict(SPEEDS)
+    run(chooser, speeds, requests=10)
+    speeds["sync"] = (1, 0.060)  # the draft model stops fitting the workload: one token per slow round
+    used = run(chooser, speeds, requests=3)
+    assert share(used[0], "sync") < 0.5, used[0]
+    assert share(used[-1], "sync") < 0.1, used[-1]
+    assert share(used[-1], "hybrid", "pipelined") > 0.85, used[-1]  # the two close runners-up
+
+
+def test_a_strategy_that_starts_paying_takes_over():
+    chooser = StrategyChooser(STRATEGIES)
+    speeds = dict(SPEEDS, sync=(1, 0.060))
+    run(chooser, speeds, requests=10)
+    speeds["sync"] = (4, 0.040)  # e.g. the workload turned to code the drafter knows well
+    used = run(chooser, speeds, requests=25)
+    assert any(share(u, "sync") > 0.8 for u in used), used
+    assert share(used[-1], "sync") > 0.8, used[-1]
+
+
+def test_warm_up_rounds_and_pipelined_rounds_after_a_switch_are_not_measured():
+    chooser = StrategyChooser(("ar", "pipelined"))
+    choice = chooser.start("greedy")
+    for _ in range(3):  # the first round (one-off costs) is not measured; two more are
+        assert choice.current == "ar"
+        chooser.observe(choice, 1, 5.0 if not choice.rounds else 0.03)
+        chooser.advance(choice)
+    assert chooser.estimates(choice)["ar"] == pytest.approx(1 / 0.03)
+    assert choice.current == "pipelined"
+    chooser.observe(choice, 1, 10.0)  # its first round (and one after a switch from ar): not measured
+    assert chooser.advance(choice) == "pipelined"
+    chooser.observe(choice, 3, 0.03)
+    assert chooser.estimates(choice)["pipelined"] == pytest.approx(100.0)
+    choice.previous, choice.current = "ar", "pipelined"  # later: a switch from ar to pipelined
+    chooser.observe(choice, 1, 10.0)  # no foresight could run for this round: must not condemn it
+    assert chooser.estimates(choice)["pipelined"] == pytest.approx(100.0)
+
+
+def test_request_groups_do_not_share_figures():
+    chooser = StrategyChooser(("ar", "sync"))
+    greedy = chooser.start("greedy")
+    for _ in range(20):
+        chooser.observe(greedy, 4 if greedy.current == "sync" else 1, 0.03)
+        chooser.advance(greedy)
+    sampled = chooser.start("sampled")
+    assert chooser.estimates(sampled) == {"ar": None, "sync": None}
+    assert request_group(0.0) == "greedy" and request_group(0.7) == "sampled"
