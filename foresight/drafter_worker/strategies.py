@@ -3,12 +3,12 @@
 A drafter loads one primary proposer (`make_proposer`): a draft model (with foresight when an adapter
 comes with it) or prompt lookup. Around it the worker offers every strategy that costs no other model:
 
-    sync       the primary proposer after each outcome
+    sync       the primary proposer after each outcome (prompt lookup under --drafter ngram)
     pipelined  the primary with foresight (only when it supports it)
-    ngram      prompt lookup (the primary itself under --drafter ngram)
     hybrid     prompt lookup when the context repeats a long enough n-gram, else the draft model
 
-The target chooses one per round (`Outcome.strategy`); "ar" (a plain step) needs no proposer.
+The target chooses one per round (`Outcome.strategy`); "ar" (a plain step) and "ngram" (prompt lookup)
+it runs without the drafter.
 """
 from __future__ import annotations
 
@@ -39,25 +39,18 @@ class HybridProposer:
 
 
 def auto_strategies(offered: dict[str, Proposer]) -> list[str]:
-    """What mode `auto` chooses among: "ar" and each offered strategy that drafts differently from the
-    ones before it (under --drafter ngram, "sync" is prompt lookup: the same as "ngram")."""
-    out, seen = ["ar"], set()
-    for name in ("sync", "pipelined", "ngram", "hybrid"):
-        proposer = offered.get(name)
-        key = (id(proposer), name == "pipelined")
-        if proposer is not None and key not in seen:
-            seen.add(key)
-            out.append(name)
-    return out
+    """The drafting strategies mode `auto` chooses among (beside the target's own prompt lookup): all offered,
+    except "sync" when it is prompt lookup (--drafter ngram), which the target runs faster itself."""
+    return [s for s in ("sync", "pipelined", "hybrid")
+            if s in offered and not isinstance(offered[s], NgramProposer)]
 
 
 def offered_strategies(primary: Proposer, cfg: EngineConfig) -> dict[str, Proposer]:
-    """Strategy -> the proposer that drafts it, for every drafting strategy this drafter can run."""
+    """Strategy -> the proposer that drafts it, for every strategy this drafter can run."""
     if isinstance(primary, NgramProposer):
-        return {"sync": primary, "ngram": primary}
+        return {"sync": primary}
     ngram = NgramProposer(cfg.ngram_max, cfg.ngram_min)
-    out: dict[str, Proposer] = {"sync": primary, "ngram": ngram,
-                                "hybrid": HybridProposer(primary, ngram, cfg.hybrid_min_match)}
+    out: dict[str, Proposer] = {"sync": primary, "hybrid": HybridProposer(primary, ngram, cfg.hybrid_min_match)}
     if primary.supports_foresight:
         out["pipelined"] = primary
     return out

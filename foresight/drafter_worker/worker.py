@@ -109,7 +109,7 @@ class DrafterWorker:
         self.send_to_api.send(WorkerReady(worker="drafter", pid=os.getpid(), info={
             "proposer": self.proposer.name, "hidden_layers": self.proposer.hidden_layers,
             "supports_foresight": self.proposer.supports_foresight,
-            "strategies": ["ar"] + sorted(self.strategies), "auto_strategies": auto_strategies(self.strategies),
+            "strategies": ["ar", "ngram"] + sorted(self.strategies), "auto_strategies": auto_strategies(self.strategies),
             "decoder_layers": getattr(getattr(self.proposer, "decoder", None), "n_layers", None)}))
         with self.heartbeats:
             self.loop()
@@ -138,13 +138,15 @@ class DrafterWorker:
             return  # released meanwhile
         if msg.verify_s > 0 and ctx.last_block:  # the budget is a block's verify, not a plain step's
             self.verify_s += VERIFY_EMA * (msg.verify_s - self.verify_s) if self.verify_s else msg.verify_s
-        if self.lengths is not None:  # before absorb: last_block is the block that was verified
+        if msg.drafts is not None:  # the target drafted that block itself (prompt lookup): not ours to learn from
+            ctx.last_block, ctx.last_confidence = list(msg.drafts), []
+        elif self.lengths is not None:  # before absorb: last_block is the block that was verified
             self.lengths[ctx.proposer].observe(len(ctx.last_block), msg.accepted, msg.verify_s, ctx.last_confidence)
         ctx.absorb(msg.accepted, msg.bonus, msg.hidden)
         ctx.round = msg.round
         proposer = self.strategies.get(msg.strategy)
         ctx.pipelined = msg.strategy == "pipelined"
-        if proposer is None:  # "ar": the target takes a plain step and waits for nothing
+        if proposer is None:  # "ar" or "ngram": the target takes the round alone and waits for nothing
             self.absorb_ids[msg.req_id] = None
             return
         self.absorb_ids.pop(msg.req_id, None)

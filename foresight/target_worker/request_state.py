@@ -25,6 +25,7 @@ class RequestState:
     strategy: str = "ar"  # how the current round runs (config.STRATEGIES): the mode, or auto's choice
     choice: RequestChoice | None = None  # mode auto: this request's side of the strategy choice
     block: list[int] | None = None  # drafts received for `round`
+    local_accepted: list[int] | None = None  # accepted drafts of the last round if the target drafted it itself
     block_cache_hit: bool | None = None
     block_passes: int = 0
     block_refreshes: int = 0
@@ -44,8 +45,8 @@ class RequestState:
         return self.cache is not None
 
     def awaits_block(self) -> bool:
-        """Does the current round verify a block from the drafter (not a plain step)?"""
-        return self.drafting and self.strategy != "ar"
+        """Does the current round verify a block from the drafter (not a plain step or local prompt lookup)?"""
+        return self.drafting and self.strategy not in ("ar", "ngram")
 
     def ready(self) -> bool:
         """Can the target do this request's next step without waiting for the drafter?"""

@@ -24,6 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+# Strategies the target runs without the drafter. Mode auto leaves "ar" out: "ngram" with its verify-length
+# controller is a plain step whenever lookup finds nothing worth verifying, so ar can only lose to it by the
+# lookup itself (well under a millisecond), and two near-equal rivals would cost exploring without end.
+LOCAL_STRATEGIES = ("ar", "ngram")
 POOLED_DECAY = 0.95  # per round a strategy runs: the pooled figures follow its last ~20 rounds
 PRIOR_ROUNDS = 8.0  # the pooled estimate weighs at most this many of the request's own rounds
 EXPLORE_ROUNDS = 64.0  # rounds between trials of a strategy as good as the best (longer for worse ones)

@@ -12,8 +12,9 @@ drafter has lost their contexts. Requests that start once it is back (`DrafterSt
 
 Each round of a request runs one strategy (config.STRATEGIES), named in the `Outcome` that asks for its
 block: the request's mode, or in mode `auto` the one `strategy_choice.StrategyChooser` picks from the
-goodput measured so far. An `auto` round that runs "ar" still tells the drafter its outcome (so the
-drafter's context stays current) but waits for no block.
+goodput measured so far. Two strategies need no drafter: "ar" (a plain step) and "ngram" (prompt lookup,
+run here: `local_lookup.py`). An `auto` round that runs one of them still tells the drafter its outcome
+(so the drafter's context stays current) but waits for no block.
 """
 from __future__ import annotations
 
@@ -45,9 +46,10 @@ from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifet
 from ..protocol.sockets import MessageSocket
 from ..protocol.transport import default_transport
 from .loading import load_target, resolve_dtype, resolve_target
+from .local_lookup import LocalLookup
 from .request_state import RequestState
 from .runner import TargetRunner
-from .strategy_choice import StrategyChooser, request_group
+from .strategy_choice import LOCAL_STRATEGIES, StrategyChooser, request_group
 from .verification import Verdict, verify
 
 log = logging.getLogger("foresight.target")
@@ -56,17 +58,19 @@ IDLE_POLL_MS = 100
 # What the api hears of an unexpected failure; the details go to this worker's log with the request id.
 INTERNAL_ERROR = "internal error in the target worker"
 # What a prompt-lookup drafter offers (`drafter_worker.strategies`); the drafter reports its own in WorkerReady.
-NGRAM_STRATEGIES = ("ar", "ngram", "sync")
+NGRAM_STRATEGIES = ("sync",)
 
 
 class TargetWorker:
     def __init__(self, cfg: EngineConfig, addrs: WorkerAddresses, runner: TargetRunner, ctx: zmq.Context,
                  eos_token_ids: list[int], max_model_len: int, strategies: tuple[str, ...] = NGRAM_STRATEGIES,
-                 auto_strategies: tuple[str, ...] = ("ar", "sync")):
-        """`strategies`: what the drafter offers ("ar" included); `auto_strategies`: what mode auto picks from."""
+                 auto_strategies: tuple[str, ...] = ()):
+        """`strategies`: the drafting strategies the drafter offers; `auto_strategies`: those of them mode auto
+        picks from (besides local prompt lookup, "ngram")."""
         self.cfg = cfg
-        self.strategies = tuple(strategies)
-        self.chooser = StrategyChooser(auto_strategies)
+        self.strategies = LOCAL_STRATEGIES + tuple(s for s in strategies if s not in LOCAL_STRATEGIES)
+        self.chooser = StrategyChooser(("ngram",) + tuple(s for s in auto_strategies if s not in LOCAL_STRATEGIES))
+        self.lookup = LocalLookup(cfg)
         self.busy_s = 0.0  # seconds spent in steps so far, all requests (a round's own time excludes others')
         self.runner = runner
         self.eos_token_ids = eos_token_ids
@@ -157,7 +161,8 @@ class TargetWorker:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_rng))
         gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-        self.requests[req.req_id] = RequestState(request=req, mode=mode, generator=gen)
+        self.requests[req.req_id] = RequestState(request=req, mode=mode, generator=gen,
+                                                 strategy=mode if mode in LOCAL_STRATEGIES else "ar")
 
     def on_abort(self, msg: AbortRequest) -> None:
         if msg.req_id in self.requests:
@@ -203,7 +208,7 @@ class TargetWorker:
         state.cache = self.runner.new_cache()
         result = self.runner.prefill(state.cache, req.prompt_ids)
         verdict = verify_block(result.logits, [], req.sampling, state.generator)
-        if state.mode != "ar":
+        if state.mode not in LOCAL_STRATEGIES:
             state.drafting = self.to_drafter(StartDraft(
                 req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.generator),
                 temperature=req.sampling.temperature, refinement=req.refinement, hidden=result.hidden))
@@ -214,7 +219,7 @@ class TargetWorker:
     def verify_round(self, state: RequestState) -> None:
         req = state.request
         with_drafts = state.awaits_block()
-        draft = state.take_block() if with_drafts else []
+        draft = state.take_block() if with_drafts else self.local_drafts(state)
         exposed = state.block_received_at - state.outcome_sent_at if with_drafts else None
         t0 = time.perf_counter()
         result = self.runner.verify(state.cache, state.anchor, draft)
@@ -225,9 +230,18 @@ class TargetWorker:
                            verify_s=state.last_verify_s, exposed_draft_s=exposed,
                            cache_hit=state.block_cache_hit, passes=state.block_passes,
                            refreshes=state.block_refreshes, strategy=state.strategy)
+        if not with_drafts:
+            self.lookup.observe(len(draft), verdict.accepted, state.last_verify_s)
+        state.local_accepted = None if with_drafts else draft[: verdict.accepted]
         committed = draft[: verdict.accepted] + [verdict.token]
         hidden = result.hidden[: verdict.accepted + 1] if result.hidden is not None else None
         self.commit(state, committed, verdict.accepted, stats, hidden)
+
+    def local_drafts(self, state: RequestState) -> list[int]:
+        """The drafts of a round the target runs without the drafter: none for "ar", prompt lookup for "ngram"."""
+        if state.strategy != "ngram":
+            return []
+        return self.lookup.propose(state.request.prompt_ids + state.output_ids, self.max_drafts(state), state.round)
 
     def commit(self, state: RequestState, tokens: list[int], accepted: int, stats: RoundStats | None,
                hidden: torch.Tensor | None, prefill: bool = False) -> None:
@@ -249,7 +263,7 @@ class TargetWorker:
             if not self.to_drafter(Outcome(req_id=state.req_id, round=state.round, accepted=accepted,
                                            bonus=state.anchor, max_drafts=self.max_drafts(state),
                                            verify_s=state.last_verify_s, hidden=hidden,
-                                           strategy=state.strategy)):
+                                           strategy=state.strategy, drafts=state.local_accepted)):
                 state.detach()  # no block will come for this round
 
     def next_strategy(self, state: RequestState, committed: int | None) -> str:

@@ -31,7 +31,7 @@ class InProcessEngine:
         runner = TargetRunner(model, proposer.hidden_layers)
         self.target = TargetWorker(self.cfg, self.addrs, runner, self.ctx, eos_ids(model),
                                    max_model_len or model.config.max_position_embeddings,
-                                   strategies=("ar",) + tuple(self.drafter.strategies),
+                                   strategies=tuple(self.drafter.strategies),
                                    auto_strategies=tuple(auto_strategies(self.drafter.strategies)))
         self.threads = [threading.Thread(target=w.run, daemon=True) for w in (self.drafter, self.target)]
         for t in self.threads:

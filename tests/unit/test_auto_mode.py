@@ -54,9 +54,9 @@ def test_auto_leaves_a_proposer_that_stops_paying():
     want = plain_greedy(model, prompt, 64)
     proposer.truth = prompt + want
     try:
-        assert engine.target.chooser.strategies == ("ar", "sync", "ngram", "hybrid")
+        assert engine.target.chooser.strategies == ("ngram", "sync", "hybrid")
         # The tiny model's greedy text repeats itself, so prompt lookup would pay as well as the scripted
-        # drafts: leave it out, the test is about the proposer that stops paying.
+        # drafts: choose between plain steps and the scripted proposer alone, the test is about the latter.
         engine.target.chooser = StrategyChooser(("ar", "sync"))
 
         def serve() -> dict[str, int]:
@@ -74,7 +74,7 @@ def test_auto_leaves_a_proposer_that_stops_paying():
 
 
 def test_auto_switching_every_few_rounds_keeps_greedy_output(monkeypatch):
-    """Trials every few rounds make auto hop between all five strategies; output stays plain greedy.
+    """Trials every few rounds make auto hop between all four strategies; output stays plain greedy.
     (Sampled output: every strategy only changes the drafts, and verification is lossless for any drafts,
     tested in test_verification.py.)"""
     monkeypatch.setattr(strategy_choice, "EXPLORE_ROUNDS", 1.0)
@@ -83,7 +83,7 @@ def test_auto_switching_every_few_rounds_keeps_greedy_output(monkeypatch):
     drafter = make_drafter(model, seqs)
     engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6), proposer=drafter)
     try:
-        assert engine.target.chooser.strategies == ("ar", "sync", "pipelined", "ngram", "hybrid")
+        assert engine.target.chooser.strategies == ("ngram", "sync", "pipelined", "hybrid")
         used: dict[str, int] = {}
         for prompt in PROMPTS:
             auto = engine.generate(prompt, 40, mode="auto", temperature=0.0)
@@ -91,6 +91,35 @@ def test_auto_switching_every_few_rounds_keeps_greedy_output(monkeypatch):
             assert auto["tokens"] == plain_greedy(model, prompt, 40, eos=model.config.eos_token_id)
             for s, n in served_rounds(auto).items():
                 used[s] = used.get(s, 0) + n
-        assert set(used) == {"ar", "sync", "pipelined", "ngram", "hybrid"}, used
+        assert set(used) == {"sync", "pipelined", "ngram", "hybrid"}, used
     finally:
         engine.close()
+
+
+def test_prompt_lookup_runs_in_the_target_and_keeps_greedy_output():
+    """Mode ngram drafts in the target: no block from the drafter (no exposed drafting), drafts verified on a
+    repetitive prompt, output plain greedy."""
+    model = tiny_model("llama")
+    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6))
+    try:
+        for prompt in PROMPTS:
+            got = engine.generate(prompt, 40, mode="ngram", temperature=0.0)
+            assert got["tokens"] == plain_greedy(model, prompt, 40, eos=model.config.eos_token_id)
+            assert all(r.strategy == "ngram" and r.exposed_draft_s is None for r in got["rounds"])
+            assert sum(r.drafted for r in got["rounds"]) > 0
+        bad = engine.generate(PROMPTS[0], 5, mode="hybrid", temperature=0.0)
+        assert "not offered" in bad["error"]
+    finally:
+        engine.close()
+
+
+def test_offered_and_auto_strategies():
+    from foresight.drafter_worker.ngram import NgramProposer
+    from foresight.drafter_worker.strategies import auto_strategies, offered_strategies
+
+    cfg = EngineConfig(drafter="ngram")
+    lookup = NgramProposer(4, 2)
+    assert offered_strategies(lookup, cfg) == {"sync": lookup} and auto_strategies({"sync": lookup}) == []
+    model = ScriptedProposer(96)
+    offered = offered_strategies(model, cfg)
+    assert set(offered) == {"sync", "hybrid"} and auto_strategies(offered) == ["sync", "hybrid"]
