@@ -3,7 +3,8 @@
 Goodput is committed tokens per second of the round as the request lives it: from the moment its previous
 round ended to the moment this one commits, less the time the target spent on other requests meanwhile.
 So it includes the wait for the drafter's block (exposed drafting), the verification, and whatever the
-drafter could not hide; a plain step ("ar") is measured the same way and competes on equal terms.
+drafter could not hide; a round of the target's own prompt lookup ("ngram", a plain step whenever lookup
+finds nothing worth verifying) is measured the same way and competes on equal terms.
 
 The estimate of a strategy for a request pools what this request measured (every round, full weight) with
 what earlier requests of the same class (greedy or sampled: acceptance differs too much to pool) measured
@@ -12,8 +13,8 @@ a strategy no request of the class has run yet is tried at once; any other is tr
 class has run EXPLORE_ROUNDS / r**2 rounds since its last trial (at most MAX_WAIT), where r is its
 estimate over the best one's: close rivals are re-checked often, hopeless ones rarely. A trial round that
 clearly beats the best estimate is extended (up to MAX_TRIAL rounds), so a strategy that starts paying again takes
-over within a request instead of waiting for its stale pooled figures to fade. The expected cost of trials
-stays under about 1.5 % of goodput with four rivals.
+over within a request instead of waiting for its stale pooled figures to fade. A rival at r of the best
+costs (1 - r) * r**2 / EXPLORE_ROUNDS of goodput, at most 0.23 % (r = 2/3).
 
 Only rounds of `auto` requests are measured here: a request that fixed its mode teaches auto nothing.
 The first round of each strategy in a class is not measured either: first calls pay one-off costs
