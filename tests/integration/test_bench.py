@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 MODE_FIELDS = {"tokens_per_s", "output_tokens", "wall_s", "rounds", "tau", "hit_rate", "exposed_draft_ms_mean",
                "exposed_draft_ms_p50", "exposed_draft_ms_p90", "verify_ms_mean", "outputs_match_ar",
-               "verified_drafts_mean", "passes_mean", "refreshes_mean"}
+               "verified_drafts_mean", "passes_mean", "refreshes_mean", "strategy_rounds"}
 PROBE_FIELDS = {"mismatches", "mismatches_near_tie", "mismatches_unexplained", "mismatch_details"}
 
 
@@ -25,7 +25,7 @@ def test_bench_report(tmp_path):
         {"messages": [{"role": "user", "content": "Repeat after me: one two three one two three"}]},
     ]))
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "foresight.server.cli", "bench", "--prompts", str(prompts), "--modes", "ar,sync,pipelined",
+    cmd = [sys.executable, "-m", "foresight.server.cli", "bench", "--prompts", str(prompts), "--modes", "ar,sync,pipelined,auto",
            "--max-tokens", "24", "--temperature", "0", "--nucleus-thresholds", "0.9", "--refinement-ablation", "none", "--peers", "hf",
            "--dtype", suite_dtype(), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -34,25 +34,29 @@ def test_bench_report(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
     assert set(report) >= {"model", "drafter", "machine", "settings", "modes", "ratios", "nucleus", "refinement",
                            "peers"}
-    assert set(report["modes"]) == {"ar", "sync", "pipelined"}
+    assert set(report["modes"]) == {"ar", "sync", "pipelined", "auto"}
     assert report["drafter"] == "jetspec++"  # the shipped checkpoint, with its adapter
     assert report["settings"]["decoder_layers"] == 15  # the shipped adapter's recommendation, as resolved
     assert set(report["modes"]["ar"]) == MODE_FIELDS
-    for mode in ("sync", "pipelined"):
+    for mode in ("sync", "pipelined", "auto"):
         assert set(report["modes"][mode]) == MODE_FIELDS | PROBE_FIELDS
         assert_lossless(report["modes"][mode], n_prompts=2)
-    for mode in ("ar", "sync", "pipelined"):
+    for mode in ("ar", "sync", "pipelined", "auto"):
         assert report["modes"][mode]["output_tokens"] > 0
+        assert sum(report["modes"][mode]["strategy_rounds"].values()) == report["modes"][mode]["rounds"]
+    assert set(report["modes"]["ar"]["strategy_rounds"]) == {"ar"}
+    assert set(report["modes"]["auto"]["strategy_rounds"]) <= {"ngram", "sync", "pipelined", "hybrid"}
     assert report["modes"]["ar"]["tau"] == 1.0 and report["modes"]["ar"]["exposed_draft_ms_mean"] is None
     assert report["modes"]["ar"]["verified_drafts_mean"] == 0.0 and report["modes"]["sync"]["passes_mean"] is None
     assert report["modes"]["sync"]["exposed_draft_ms_mean"] is not None
     assert 0.0 <= report["modes"]["pipelined"]["hit_rate"] <= 1.0 and report["modes"]["sync"]["hit_rate"] is None
-    assert all(report["ratios"][r] > 0 for r in ("sync_vs_ar", "pipelined_vs_sync", "pipelined_vs_ar"))
+    assert all(report["ratios"][r] > 0 for r in ("sync_vs_ar", "pipelined_vs_sync", "pipelined_vs_ar", "auto_vs_ar"))
+    assert report["ratios"]["auto_vs_best_of_ar_ngram"] == report["ratios"]["auto_vs_ar"]  # no ngram run here
     if resolved_suite_dtype() == torch.float32:
         assert report["refinement"]["none"]["outputs_match_ar"] == 1.0
     assert set(report["peers"]) == {"hf@2t", "hf@1t", "hf-pld@2t", "hf-pld@1t"}
     for peer in report["peers"].values():
-        assert peer["tokens_per_s"] > 0 and set(peer["modes_vs_peer"]) == {"ar", "sync", "pipelined"}
+        assert peer["tokens_per_s"] > 0 and set(peer["modes_vs_peer"]) == {"ar", "sync", "pipelined", "auto"}
         if resolved_suite_dtype() == torch.float32:
             assert peer["outputs_match_ar"] == 1.0  # transformers' greedy = ours, token for token
     nucleus = report["nucleus"]

@@ -120,7 +120,14 @@ def test_streaming_with_nucleus_verification(client, live_server):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
     spec = chunks[-1].usage.model_extra["speculation"]
     assert spec["nucleus_extra_accepted_tokens"] >= 0 and spec["rounds"] >= 1
-    assert "foresight_nucleus_extra_accepted_tokens_total" in httpx.get(f"{live_server}/metrics").text
+    # the server's default mode auto: how it ran each round, in the usage block and as a metric
+    assert sum(spec["strategy_rounds"].values()) == spec["rounds"]
+    assert set(spec["strategy_rounds"]) <= {"ngram", "sync", "pipelined", "hybrid"}
+    metrics = httpx.get(f"{live_server}/metrics").text
+    assert "foresight_nucleus_extra_accepted_tokens_total" in metrics
+    counted = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("foresight_strategy_rounds_total{"))
+    assert counted >= spec["rounds"]
 
 
 def test_oversized_body_is_413_at_once_and_server_keeps_serving(live_server, client):

@@ -1,7 +1,7 @@
 """The trained drafter and adapter shipped in checkpoints/ for the embedded default (SmolLM2-135M-Instruct).
 
-fp32 on CPU. Speculative greedy output (sync with the trained draft model, pipelined with foresight)
-equals plain greedy decoding token for token, and the drafter's acceptance length on held-out HumanEval
+fp32 on CPU. Speculative greedy output (sync with the trained draft model, pipelined with foresight, hybrid,
+the target's own prompt lookup, and mode auto switching among them) equals plain greedy decoding token for token, and the drafter's acceptance length on held-out HumanEval
 and chat-set prompts (never in its training data) stays above floors set from measurements (docs/benchmark.md).
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def references(setup):
     return out
 
 
-@pytest.mark.parametrize("mode", ["sync", "pipelined"])
+@pytest.mark.parametrize("mode", ["sync", "pipelined", "hybrid", "ngram", "auto"])
 def test_greedy_equals_plain_greedy(setup, references, mode):
     _, _, engine = setup
     for ids, ref in references:

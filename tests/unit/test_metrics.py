@@ -17,7 +17,7 @@ DOCUMENTED_METRICS = [
     "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total", "accept_length",
     "speculation_cache_lookups_total", "speculation_cache_hits_total", "exposed_draft_latency_seconds",
     "verify_latency_seconds", "draft_refinement_passes", "draft_context_refreshes",
-    "nucleus_extra_accepted_tokens_total", "worker_up", "worker_restarts_total",
+    "nucleus_extra_accepted_tokens_total", "strategy_rounds_total", "worker_up", "worker_restarts_total",
 ]
 
 
@@ -62,6 +62,8 @@ def test_label_children_exist_before_traffic(metrics):
         assert value(metrics, "worker_up", worker=worker) == 0
         assert value(metrics, "worker_restarts_total", worker=worker) == 0
     assert value(metrics, "accept_length_count") == 0
+    for strategy in ("ar", "ngram", "sync", "pipelined", "hybrid"):
+        assert value(metrics, "strategy_rounds_total", strategy=strategy) == 0
 
 
 def test_positions_precreated_when_gamma_known():
@@ -96,6 +98,16 @@ def test_spec_round_moves_counters(metrics):
     assert value(metrics, "draft_context_refreshes_sum") == 1
     assert value(metrics, "draft_context_refreshes_bucket", le="0.0") == 1
     assert value(metrics, "nucleus_extra_accepted_tokens_total") == 1
+    assert value(metrics, "strategy_rounds_total", strategy="ar") == 2  # RoundStats' default
+
+
+def test_rounds_are_counted_by_strategy(metrics):
+    for strategy in ("hybrid", "hybrid", "ngram"):
+        metrics.record_round(RoundStats(drafted=1, accepted=1, nucleus_extra=0, verify_s=0.02, exposed_draft_s=None,
+                                        cache_hit=None, strategy=strategy))
+    assert value(metrics, "strategy_rounds_total", strategy="hybrid") == 2
+    assert value(metrics, "strategy_rounds_total", strategy="ngram") == 1
+    assert value(metrics, "strategy_rounds_total", strategy="sync") == 0
 
 
 def test_ar_round_counts_only_length_and_verify(metrics):
