@@ -30,7 +30,9 @@ sampling temperature (`DraftContext.temperature`, sent in StartDraft; a `tempera
 construction overrides it). At temperature 0 the outcome law is a point mass on the decoder's greedy path, so that
 outcome is cached first and the rest of the cache follows the temperature-1 scores.
 
-Not here yet: calibrated scores (appendix B.1).
+Scores follow the request's verification (StartDraft's sampling): top-k and top-p truncate p_hat as
+they truncate the target's distribution, and under nucleus verification drafts inside p_hat's nucleus
+count as surely accepted (`outcomes.py`). Not here yet: calibrated scores (appendix B.1).
 """
 from __future__ import annotations
 
@@ -41,6 +43,9 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, EngineConfig
+from ..protocol.messages import SamplingParams
+from ..target_worker.sampling import target_probs
+from ..target_worker.verification import in_nucleus
 from .budget import Plan, StepCosts, plan_round
 from .decoder import DecoderCache, ForesightDecoder
 from .draft_model import ContextKV, DraftModel, SharedWeights, draw_noise
@@ -236,15 +241,26 @@ class ForesightDrafter(JetSpecProposer):
                                                             keep=self._decoder_keep, context_states=decoder_new)
         return pred, logits, dec_states
 
-    def select(self, logits: torch.Tensor, block: list[int], B: int, temperature: float | None) -> list[Outcome]:
-        """Step 3: the B outcomes to pre-draft, best first (Eq. 6-7; greedy path first at temperature 0)."""
+    def select(self, logits: torch.Tensor, block: list[int], B: int, temperature: float | None,
+               sampling: SamplingParams | None = None) -> list[Outcome]:
+        """Step 3: the B outcomes to pre-draft, best first (Eq. 6-7; greedy path first at temperature 0).
+
+        Scored under the request's own verification (`sampling`: top-k, top-p, exact or nucleus), so that
+        with a perfect decoder the scores are the outcome law (Proposition 1). At temperature 0 the rest of
+        the cache is ranked at temperature 1, where the nucleus gate of greedy verification is built too."""
         t = 1.0 if not temperature else temperature
-        scores = outcome_scores(torch.softmax(logits / t, dim=-1), block)
+        top_k, top_p = (sampling.top_k, sampling.top_p) if sampling is not None else (0, 1.0)
+        probs = target_probs(logits, t, top_k, top_p)  # [gamma+1, vocab]  p_hat as the target processes p
+        sure = None
+        if sampling is not None and sampling.verification == "nucleus" and block:
+            sure = in_nucleus(probs[: len(block)], torch.tensor(block), sampling.nucleus_threshold)  # [gamma]
+        scores = outcome_scores(probs, block, sure)
         picked = select_outcomes(scores, B)
         if temperature is None or temperature > 0:
             return picked
         top = logits.argmax(-1).tolist()  # the decoder's greedy path: accept while d_i is row i-1's argmax
-        k = next((i for i, d in enumerate(block) if top[i] != d), len(block))
+        passed = [d == top[i] or (sure is not None and bool(sure[i])) for i, d in enumerate(block)]
+        k = next((i for i, ok in enumerate(passed) if not ok), len(block))
         greedy = Outcome(k, top[k], float(scores.prefix[k] * scores.anchor[k, top[k]]))
         return [greedy] + [o for o in picked if (o.k, o.a) != (greedy.k, greedy.a)][: B - 1]
 
@@ -293,7 +309,7 @@ class ForesightDrafter(JetSpecProposer):
         t1 = time.perf_counter()
         self.costs.update("predict_s", t1 - t0)
         plan = self.plan(budget_s, mode)
-        picked = self.select(logits, block, plan.outcomes, temperature)
+        picked = self.select(logits, block, plan.outcomes, temperature, ctx.sampling)
         if not picked:
             return []
         refiner = self.predraft(ctx, state, block, picked, self.draft_states(pred, dec_states), max_drafts, plan, mode)

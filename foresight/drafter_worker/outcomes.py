@@ -14,6 +14,11 @@ exactly the law of the verification outcome for any draft fixed before verificat
 appendix F.1): rejecting d_{k+1} has probability 1 - p_{k+1}(d_{k+1}) and the residual divides by the
 same amount. The scores of all outcomes sum to 1 (the sum over a at length k is P(k) - P(k+1)).
 
+The same holds for the request's actual verification, with p_hat the target's distribution processed
+as the request samples (temperature, top-k, top-p; `select_for_request`): under nucleus verification
+a draft inside the target's nucleus is always accepted, so for such a d_i the acceptance factor is 1
+and no outcome ends at length i-1 (`sure`); drafts outside it follow the exact rule.
+
 Eq. 7 caches the B outcomes with the highest scores; outcomes are disjoint events, so the hit
 probability of a cache S is sum_{(k,a) in S} P(k, a).
 """
@@ -49,11 +54,13 @@ class Outcome(NamedTuple):
     score: float  # P(k, a)
 
 
-def outcome_scores(dec_probs: torch.Tensor, draft) -> OutcomeScores:
+def outcome_scores(dec_probs: torch.Tensor, draft, sure: torch.Tensor | None = None) -> OutcomeScores:
     """Eq. 6 from the decoder's rows.
 
     dec_probs  [gamma+1, vocab]  p_hat(. | j), row j = after d_1..d_j (rows sum to 1)
     draft      [gamma]           d_1..d_gamma (list or LongTensor; gamma may be 0)
+    sure       [gamma] bool      drafts verification accepts whenever it reaches them (the nucleus gate);
+                                 None: none (exact verification)
     """
     probs = dec_probs.float()  # [gamma+1, vocab]
     draft = torch.as_tensor(draft, dtype=torch.long, device=probs.device).reshape(-1)  # [gamma]
@@ -61,10 +68,14 @@ def outcome_scores(dec_probs: torch.Tensor, draft) -> OutcomeScores:
     if probs.dim() != 2 or probs.shape[0] != gamma + 1:
         raise ValueError(f"dec_probs must be [gamma+1, vocab] = [{gamma + 1}, V], got {tuple(probs.shape)}")
     accept = probs[:gamma].gather(-1, draft[:, None]).squeeze(-1)  # [gamma]  p_hat_i = p_hat(d_i | i-1)
+    if sure is not None:
+        accept = torch.where(sure.to(probs.device), torch.ones_like(accept), accept)
     prefix = torch.cat([accept.new_ones(1), torch.cumprod(accept, dim=0)])  # [gamma+1]  P(0..gamma)
     rows = torch.arange(gamma, device=probs.device)
     anchor = probs.clone()
     anchor[rows, draft] = 0.0  # a = d_{k+1} is acceptance, not an outcome at length k
+    if sure is not None:
+        anchor[:gamma][sure.to(probs.device)] = 0.0  # d_{k+1} is never rejected: no outcome at length k
     return OutcomeScores(prefix=prefix, anchor=anchor)
 
 

@@ -6,6 +6,7 @@ from typing import Protocol
 
 import torch
 
+from ..protocol.messages import SamplingParams
 from .speculation_cache import CacheEntry
 
 
@@ -28,6 +29,7 @@ class DraftContext:
     pipelined: bool = False  # this round's strategy pre-drafts for expected outcomes while the target verifies
     proposer: str = ""  # name of the proposer that drafted `last_block` (its verify-length statistics)
     temperature: float = 1.0  # the request's sampling temperature
+    sampling: SamplingParams | None = None  # the request's top-k, top-p and verification rule (foresight scores)
     refinement: str | None = None  # the request's self-refinement mode (StartDraft); None = the drafter's
     drafter_state: object = None  # the proposer's own per-request state (e.g. cached context K/V)
 

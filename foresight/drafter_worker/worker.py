@@ -129,7 +129,8 @@ class DrafterWorker:
         hidden = [msg.hidden] if msg.hidden is not None else []
         self.contexts[msg.req_id] = DraftContext(req_id=msg.req_id, tokens=list(msg.prompt_ids), seed=msg.seed,
                                                  hidden=hidden, temperature=msg.temperature,
-                                                 refinement=msg.refinement, proposer=self.proposer.name)
+                                                 refinement=msg.refinement, proposer=self.proposer.name,
+                                                 sampling=msg.sampling)
 
     def on_outcome(self, msg: Outcome) -> None:
         """Verification of the last block ended at (k, a): answer with the next block at once."""

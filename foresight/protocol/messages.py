@@ -164,6 +164,9 @@ class StartDraft:
     temperature: float = 1.0  # the request's sampling temperature (foresight ranks outcomes for it)
     refinement: str | None = None  # the request's self-refinement mode (GenerateRequest); None = the drafter's
     hidden: torch.Tensor | None = None  # [prompt_len, n_layers * hidden] or None
+    # The request's sampling and verification rule: foresight scores outcomes under them (top-k, top-p,
+    # exact or nucleus). None: temperature alone, exact verification.
+    sampling: SamplingParams | None = None
 
 
 @message

@@ -53,9 +53,10 @@ class RequestState:
         return not self.prefilled or not self.awaits_block() or self.block is not None
 
     def detach(self) -> None:
-        """Go on without the drafter (it is down): plain steps from now on, nothing awaited."""
+        """Go on without the drafter (it is down): plain steps from now on (mode auto: the target's own prompt
+        lookup, one of its choices), nothing awaited."""
         self.drafting = False
-        self.strategy = "ar"
+        self.strategy = "ngram" if self.mode == "auto" else "ar"
         self.choice = None
         self.block = None
         self.block_cache_hit = None

@@ -211,9 +211,12 @@ class TargetWorker:
         if state.mode not in LOCAL_STRATEGIES:
             state.drafting = self.to_drafter(StartDraft(
                 req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.generator),
-                temperature=req.sampling.temperature, refinement=req.refinement, hidden=result.hidden))
+                temperature=req.sampling.temperature, refinement=req.refinement, hidden=result.hidden,
+                sampling=req.sampling))
         if state.mode == "auto" and state.drafting:
             state.choice = self.chooser.start(request_group(req.sampling.temperature))
+        elif state.mode == "auto":
+            state.strategy = "ngram"  # no drafter: the one strategy auto has left
         self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True)
 
     def verify_round(self, state: RequestState) -> None:

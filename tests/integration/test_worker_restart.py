@@ -49,7 +49,10 @@ def test_killed_drafter_degrades_to_plain_steps_with_the_same_tokens(server_fact
     at near-ties), so the disturbed stream must repeat the undisturbed one token for token."""
     n_tokens = 120
     body = {**BODY, "max_tokens": n_tokens}
-    with server_factory("--dtype", "float32") as server:
+    # mode sync: every round drafts on the drafter, so the kill lands mid-request for sure and the last check
+    # (drafted tokens after the restart) can only come from the new drafter; mode auto could also draft by
+    # the target's own prompt lookup (which is what it falls back to while the drafter is down)
+    with server_factory("--dtype", "float32", "--mode", "sync") as server:
         pids = wait_health(server, 200)["workers"]
         reference = httpx.post(f"{server}/v1/completions", json=body, timeout=300)
         assert reference.status_code == 200

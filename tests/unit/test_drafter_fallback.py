@@ -113,3 +113,13 @@ def test_a_request_waiting_for_a_dead_drafter_goes_on_when_told(model):
     finally:
         ctx.destroy(linger=0)
         addrs.remove()
+
+
+def test_auto_requests_fall_back_to_local_prompt_lookup_while_the_drafter_is_down(model, engine):
+    engine.send_to_target.send(DrafterStatus(up=False, reason="test"))  # same socket: handled before the request
+    down = engine.generate(PROMPT, 30, mode="auto", temperature=0.0)
+    engine.send_to_target.send(DrafterStatus(up=True))
+    assert down["error"] is None
+    assert down["tokens"] == plain_greedy(model, PROMPT, 30, eos=model.config.eos_token_id)
+    assert {r.strategy for r in down["rounds"]} == {"ngram"}
+    assert all(r.exposed_draft_s is None for r in down["rounds"])

@@ -237,3 +237,24 @@ def test_make_proposer_picks_foresight_when_an_adapter_ships_beside_the_drafter(
         make_proposer(dataclasses.replace(cfg, decoder_layers=n))
     assert not make_proposer(EngineConfig(target=str(target_dir), drafter=str(tmp_path / "drafter"),
                                           adapter="none")).supports_foresight
+
+
+def test_select_scores_under_the_requests_sampling(target, sequences):
+    """Foresight picks outcomes as the request verifies: never a token top-k removes; under nucleus
+    verification no outcome that rejects a draft inside the nucleus, and a greedy path through it."""
+    from foresight.protocol.messages import SamplingParams
+
+    drafter = make_drafter(target, sequences)
+    logits = torch.randn(3, target.config.vocab_size, generator=torch.Generator().manual_seed(3)) * 2
+    block = [int(logits[0].argsort()[-2]), int(logits[1].argmax())]  # d_1: the runner-up
+    top2 = logits.topk(2, dim=-1).indices
+    picked = drafter.select(logits, block, 50, 1.0, SamplingParams(temperature=1.0, top_k=2))
+    assert picked and all(o.a in top2[o.k].tolist() for o in picked)
+    assert len(drafter.select(logits, block, 50, 1.0)) > len(picked)  # without top-k: more outcomes
+    wide = SamplingParams(temperature=1.0, verification="nucleus", nucleus_threshold=0.999)
+    assert {o.k for o in drafter.select(logits, block, 50, 1.0, wide)} == {len(block)}
+    greedy = SamplingParams(temperature=0.0, verification="nucleus", nucleus_threshold=0.999)
+    first = drafter.select(logits, block, 4, 0.0, greedy)[0]
+    assert (first.k, first.a) == (len(block), int(logits[2].argmax()))
+    exact = drafter.select(logits, block, 4, 0.0, SamplingParams(temperature=0.0))[0]
+    assert (exact.k, exact.a) == (0, int(logits[0].argmax()))  # exact greedy rejects the runner-up

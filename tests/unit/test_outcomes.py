@@ -13,7 +13,7 @@ from scipy.stats import chi2
 from foresight.drafter_worker.decoder import ForesightDecoder
 from foresight.drafter_worker.outcomes import hit_probability, outcome_scores, select_outcomes
 from foresight.target_worker.sampling import target_probs
-from foresight.target_worker.verification import verify, verify_batch
+from foresight.target_worker.verification import in_nucleus, verify, verify_batch
 from support.tiny_models import VOCAB, tiny_model
 
 torch.set_num_threads(1)
@@ -74,13 +74,14 @@ def block():
     return logits, torch.tensor(seq[n + 1:]), dec_probs
 
 
-def empirical_counts(probs: torch.Tensor, draft: torch.Tensor, seed: int) -> torch.Tensor:
-    """Outcome counts [gamma+1, vocab] of TRIALS independent verifications of one block."""
+def empirical_counts(probs: torch.Tensor, draft: torch.Tensor, seed: int, **rule) -> torch.Tensor:
+    """Outcome counts [gamma+1, vocab] of TRIALS independent verifications of one block (`rule`: the
+    verification rule's arguments of `verify_batch`, default exact)."""
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(probs.shape, dtype=torch.long)
     for chunk in range(0, TRIALS, 10_000):
         b = min(10_000, TRIALS - chunk)
-        k, a, _ = verify_batch(probs.expand(b, -1, -1), draft.expand(b, -1), generator=gen)
+        k, a, _ = verify_batch(probs.expand(b, -1, -1), draft.expand(b, -1), generator=gen, **rule)
         counts.index_put_((k, a), torch.ones_like(k), accumulate=True)
     return counts
 
@@ -123,6 +124,23 @@ def test_proposition_1_scores_are_the_outcome_law(block, sampling):
     shifted[rows, draft] = 0.0
     for wrong in (no_exclusion, no_cancellation, shifted):
         assert chi_square_pvalue(wrong, counts) < P_REJECT
+
+
+@pytest.mark.parametrize("sampling", [(1.0, 0, 1.0, 0.3), (0.7, 20, 0.9, 0.95)])
+def test_proposition_1_under_nucleus_verification(block, sampling):
+    """Under nucleus verification a draft inside the target's nucleus is always accepted: scored with
+    those drafts as sure, P(k, a) is again the law of the outcome; the exact rule's scores are not."""
+    logits, draft, _ = block
+    temperature, top_k, top_p, theta = sampling
+    p = target_probs(logits, temperature, top_k, top_p)  # [gamma+1, vocab]
+    sure = in_nucleus(p[:GAMMA], draft, theta)  # [gamma]
+    assert sure.tolist() == [True, False, True]  # the runner-up d_2 lies outside: both kinds of draft
+    law = outcome_scores(p, draft, sure).dense()
+    assert abs(float(law.double().sum()) - 1.0) < 1e-5
+    assert float(law[0].sum()) == 0.0 and float(law[2].sum()) == 0.0  # sure drafts are never rejected
+    counts = empirical_counts(p, draft, seed=3, rule="nucleus", theta=theta)
+    assert chi_square_pvalue(law, counts) > P_PASS
+    assert chi_square_pvalue(outcome_scores(p, draft).dense(), counts) < P_REJECT
 
 
 def test_single_block_verify_lands_on_scored_outcomes(block):
