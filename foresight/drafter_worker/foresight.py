@@ -39,6 +39,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -293,7 +294,12 @@ class ForesightDrafter(JetSpecProposer):
         r = 0 if mode == "none" else j if self.refreshes is None else self.refreshes
         return plan_round(self.costs, budget_s if self.use_budget else 0.0, self.cache_size, j, r)
 
-    def foresee(self, ctx: DraftContext, block: list[int], max_drafts: int, budget_s: float) -> list[CacheEntry]:
+    def foresee(self, ctx: DraftContext, block: list[int], max_drafts: int, budget_s: float,
+                stop: Callable[[], bool] | None = None) -> list[CacheEntry]:
+        """Steps 1-5 for `block`. `stop`: asked between stages whether a message waits (an outcome, or any
+        other request's message); then the job ends at once: before drafting it returns nothing, after it
+        the drafts as they stand (every pass and refresh leaves a valid block)."""
+        stop = stop or (lambda: False)
         if max_drafts <= 0:
             return []
         mode = ctx.refinement or self.refinement  # the request's, else the engine's
@@ -310,9 +316,10 @@ class ForesightDrafter(JetSpecProposer):
         self.costs.update("predict_s", t1 - t0)
         plan = self.plan(budget_s, mode)
         picked = self.select(logits, block, plan.outcomes, temperature, ctx.sampling)
-        if not picked:
+        if not picked or stop():
             return []
-        refiner = self.predraft(ctx, state, block, picked, self.draft_states(pred, dec_states), max_drafts, plan, mode)
+        refiner = self.predraft(ctx, state, block, picked, self.draft_states(pred, dec_states), max_drafts, plan,
+                                mode, stop)
         t2 = time.perf_counter()
         self.stats = ForesightStats(len(picked), t1 - t0, t2 - t1, t2 - t0, plan, mode)
         rows = zip(picked, refiner.drafts.tolist(), refiner.confidence, refiner.passes, refiner.refreshes)
@@ -320,7 +327,8 @@ class ForesightDrafter(JetSpecProposer):
                            confidence=tuple(c) if c is not None else ()) for o, d, c, j, r in rows]
 
     def predraft(self, ctx: DraftContext, state: _RequestState, block: list[int], picked: list[Outcome],
-                 states: torch.Tensor, max_drafts: int, plan: Plan, mode: str) -> Refiner:
+                 states: torch.Tensor, max_drafts: int, plan: Plan, mode: str,
+                 stop: Callable[[], bool] | None = None) -> Refiner:
         """Steps 4-5 for the picked outcomes: J0 + (J - R) passes in one batch, then R refreshes, each
         followed by a pass. states [gamma+1, n_src*H]: the predicted draft-model states of the block.
         Returns the refiner holding the drafts [B, max_drafts] and what each row spent."""
@@ -333,7 +341,7 @@ class ForesightDrafter(JetSpecProposer):
         self.costs.passes.observe(len(picked), (time.perf_counter() - t0) / (1 + plain))
         refiner = Refiner(self, state, n, ctx.tokens[-1], block, outcomes, drafts, mode, passes=plain,
                           confidence=confidence)
-        refiner.run(plan.refreshes, self.costs)
+        refiner.run(plan.refreshes, self.costs, stop)
         return refiner
 
 

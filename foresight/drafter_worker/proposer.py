@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -64,7 +64,9 @@ class Proposer(Protocol):
 class ForesightProposer(Proposer, Protocol):
     """A proposer that can pre-draft for the outcomes of the block under verification (pipelined mode)."""
 
-    def foresee(self, ctx: DraftContext, block: list[int], max_drafts: int, budget_s: float) -> list[CacheEntry]:
+    def foresee(self, ctx: DraftContext, block: list[int], max_drafts: int, budget_s: float,
+                stop: Callable[[], bool] | None = None) -> list[CacheEntry]:
         """While the target verifies `block` (drafted after `ctx.tokens`), pre-draft blocks for the
-        outcomes (k, a) it expects, within about `budget_s` seconds of work (the last verify time)."""
+        outcomes (k, a) it expects, within about `budget_s` seconds of work (the last verify time). `stop()`
+        true (a message waits) ends the work early with what is ready (possibly nothing)."""
         ...

@@ -19,7 +19,7 @@ proposal the target verifies, so the output is lossless whatever a refresh decid
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -89,19 +89,23 @@ class Refiner:
         """Rows with positions left to redraft."""
         return [b for b, f in enumerate(self.fixed) if f < self.width]
 
-    def run(self, refreshes: int, costs: StepCosts | None = None) -> None:
+    def run(self, refreshes: int, costs: StepCosts | None = None, stop: Callable[[], bool] | None = None) -> None:
         """`refreshes` times: refresh the open rows, then one pass over those still open. The measured
-        batch costs go into `costs`."""
+        batch costs go into `costs`. `stop()` true before a refresh or a pass ends the refinement there: the
+        drafts stay a valid block at every point (a refresh only fixes positions and writes guesses)."""
         if refreshes and self.mode == "none":
             raise ValueError("refinement 'none' runs no context refresh")
+        stop = stop or (lambda: False)
         for _ in range(refreshes):
             rows = self.open_rows()
-            if not rows:
+            if not rows or stop():
                 break
             t0 = time.perf_counter()
             self.refresh(rows)
             t1 = time.perf_counter()
             tail = self.open_rows()
+            if tail and stop():
+                break
             if tail:
                 self.redraft(tail)
             if costs is not None:

@@ -205,14 +205,19 @@ class DrafterWorker:
         n = self.lengths[ctx.proposer].choose(len(tokens), confidence, ctx.round, fixed_s=draft_s)
         return tokens[:n], confidence[:n]
 
+    def message_waiting(self) -> bool:
+        """A message from the target waits: foresight stops between stages for it (`foresee`'s `stop`)."""
+        return bool(self.recv_from_target.socket.poll(0, zmq.POLLIN))
+
     def run_foresight(self, job: ForesightJob) -> None:
-        """Pre-draft for the outcomes of `job.round`'s block, unless that outcome already arrived."""
+        """Pre-draft for the outcomes of `job.round`'s block, unless that outcome already arrived. A message
+        that arrives meanwhile ends the job between stages; what was drafted by then is cached."""
         ctx = self.contexts.get(job.req_id)
         if ctx is None or ctx.round != job.round:
             return  # released, or the target was faster than us: the job is stale
         try:
             max_drafts = self.draft_length(ctx, job.max_drafts, job.round + 1)  # the entries answer round+1
-            entries = self.proposer.foresee(ctx, ctx.last_block, max_drafts, self.verify_s)
+            entries = self.proposer.foresee(ctx, ctx.last_block, max_drafts, self.verify_s, self.message_waiting)
         except Exception:
             log.exception("request %s: foresight drafting failed; the next round misses the cache", job.req_id)
             return

@@ -17,3 +17,15 @@ def test_pipelined_without_foresight_is_a_one_line_error(drafter, monkeypatch, t
     assert cli.main(["serve", "--mode", "pipelined", "--drafter", drafter]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--mode pipelined" in err and "--mode sync" in err
+
+
+def test_hybrid_without_a_draft_model_is_a_one_line_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("FORESIGHT_CHECKPOINTS", str(tmp_path))  # no shipped drafter
+
+    def load(*args, **kwargs):
+        raise AssertionError("models were loaded before the configuration was checked")
+
+    monkeypatch.setattr("foresight.server.app.create_app", load)
+    assert cli.main(["serve", "--mode", "hybrid"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--mode hybrid" in err and "--mode ngram" in err

@@ -74,3 +74,41 @@ def test_pipelined_is_refused_without_a_foresight_drafter(model):
     finally:
         engine.close()
     assert got["error"] and "foresight" in got["error"]
+
+
+class UnendingForesight(OracleForesight):
+    """Foresight that would never finish on its own: it works until a message waits (at most WAIT_CAP_S,
+    then it gives up and counts an overrun), then returns the oracle's entries, computed by then."""
+
+    WAIT_CAP_S = 20.0
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.interrupted = self.overran = 0
+
+    def foresee(self, ctx, block, max_drafts, budget_s, stop=None):
+        import time
+
+        entries = super().foresee(ctx, block, max_drafts, budget_s)
+        deadline = time.perf_counter() + self.WAIT_CAP_S
+        while not (stop is not None and stop()):
+            if time.perf_counter() > deadline:
+                self.overran += 1
+                return entries
+            time.sleep(0.001)
+        self.interrupted += 1
+        return entries
+
+
+def test_an_outcome_that_arrives_during_foresight_ends_the_job(model):
+    """The drafter checks its socket between stages: the next outcome ends a foresight job that would run
+    on, and the partial result (here: all of it) answers that outcome from the cache."""
+    proposer = UnendingForesight(model)
+    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6), proposer=proposer)
+    try:
+        got = engine.generate(PROMPT, 30, mode="pipelined", temperature=0.0)
+    finally:
+        engine.close()
+    assert got["tokens"] == plain_greedy(model, PROMPT, 30, eos=model.config.eos_token_id)
+    assert proposer.overran == 0 and proposer.interrupted >= len(got["rounds"]) - 2
+    assert sum(bool(r.cache_hit) for r in got["rounds"]) >= len(got["rounds"]) - 2

@@ -282,6 +282,56 @@ def test_foresee_refines_and_counts_what_it_spent(target, sequences):
         drafter.foresee(c, block, M, budget_s=0.0)
 
 
+def test_a_waiting_message_stops_foresight_between_stages(target, sequences):
+    """`stop()` true ends the job at the next stage boundary: before drafting nothing is cached, after the
+    first pass the drafts as they stand (valid blocks, fewer refreshes than planned)."""
+    drafter = make_drafter(target, sequences, foresight_passes=3, cache_size=3, refreshes=2, use_budget=False,
+                           temperature=0.0)
+    ctx, _, block = start(target, sequences, drafter)
+    assert drafter.foresee(ctx, block, M, budget_s=0.0, stop=lambda: True) == []
+    asked = []
+    ctx, _, block = start(target, sequences, drafter)
+    before = drafter.adapter.predict_calls
+
+    def after_first_refresh() -> bool:  # a message arrives while the first refresh runs
+        asked.append(drafter.adapter.predict_calls)
+        return drafter.adapter.predict_calls - before >= 2  # the foresight prediction, then one refresh
+
+    entries = drafter.foresee(ctx, block, M, budget_s=0.0, stop=after_first_refresh)
+    assert entries and drafter.adapter.predict_calls - before == 2  # no refresh after the interruption
+    assert all(e.refreshes <= 1 and len(e.tokens) == M for e in entries)
+    assert any(e.refreshes == 1 and e.passes == 1 for e in entries), "the pass after the refresh still ran"
+    assert len(asked) >= 2
+
+
+def test_the_drafter_worker_sees_a_waiting_message(target, sequences):
+    import time
+
+    import zmq
+
+    from foresight.config import EngineConfig
+    from foresight.drafter_worker.worker import DrafterWorker
+    from foresight.protocol.addresses import WorkerAddresses
+    from foresight.protocol.messages import ReleaseDraft
+    from foresight.protocol.sockets import MessageSocket
+
+    zctx, addrs = zmq.Context(), WorkerAddresses.fresh()
+    try:
+        worker = DrafterWorker(EngineConfig(drafter="ngram"), addrs, make_drafter(target, sequences), zctx)
+        assert not worker.message_waiting()
+        push = MessageSocket(zctx, zmq.PUSH, addrs.target_to_drafter, bind=False)
+        push.send(ReleaseDraft(req_id="x"))
+        for _ in range(200):  # the message crosses the socket asynchronously
+            if worker.message_waiting():
+                break
+            time.sleep(0.01)
+        assert worker.message_waiting()
+        assert isinstance(worker.recv_from_target.recv(timeout_ms=0), ReleaseDraft)  # still there to handle
+    finally:
+        zctx.destroy(linger=0)
+        addrs.remove()
+
+
 # ---------------------------------------------------------------- end to end
 
 
