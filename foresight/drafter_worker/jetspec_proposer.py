@@ -102,5 +102,3 @@ class JetSpecProposer:
             state.positions += states.shape[0]
             ctx.hidden.clear()  # absorbed into the context K/V: the raw states are no longer needed
         return state
-
-    absorb = _absorb  # the worker's idle time after plain rounds (`DrafterWorker.absorb_idle`)

@@ -9,8 +9,10 @@ Either way the block sent is the prefix the verify-length controller expects to 
 per second (`verify_length.py`; `--verify-length max` sends every draft).
 
 Each `Outcome` names the strategy of the round it asks for (`strategies.py`): which proposer drafts,
-whether foresight follows, or "ar": no block at all (the context absorbs the outcome; when nothing else
-waits, the draft model absorbs the new target states too, so a later drafting round does not pay for them).
+whether foresight follows, or "ar" / "ngram": no block at all. The context then only records the outcome;
+the draft model absorbs the new target states when it next drafts, in one pass over all of them (absorbing
+them round by round in idle time would run the drafter beside every target step, and on a CPU the two
+workers share memory bandwidth).
 """
 from __future__ import annotations
 
@@ -88,7 +90,6 @@ class DrafterWorker:
         self.contexts: dict[str, DraftContext] = {}
         self.cache = SpeculationCache()
         self.jobs: deque[ForesightJob] = deque()
-        self.absorb_ids: dict[str, None] = {}  # requests whose plain ("ar") rounds the model has not absorbed
         self.verify_s = 0.0  # running estimate of the target's verify time: the foresight budget
         # One verify-length controller per proposer (acceptance is the proposer's), sharing the target's
         # measured verify cost by block length.
@@ -117,13 +118,11 @@ class DrafterWorker:
     def loop(self) -> None:
         while not self.stopping:
             self.heartbeats.turn()
-            msg = self.recv_from_target.recv(timeout_ms=0 if self.jobs or self.absorb_ids else IDLE_POLL_MS)
+            msg = self.recv_from_target.recv(timeout_ms=0 if self.jobs else IDLE_POLL_MS)
             if msg is not None:
                 self.handlers[type(msg)](msg)
             elif self.jobs:
                 self.run_foresight(self.jobs.popleft())
-            elif self.absorb_ids:
-                self.absorb_idle(next(iter(self.absorb_ids)))
 
     def on_start(self, msg: StartDraft) -> None:
         hidden = [msg.hidden] if msg.hidden is not None else []
@@ -148,9 +147,7 @@ class DrafterWorker:
         proposer = self.strategies.get(msg.strategy)
         ctx.pipelined = msg.strategy == "pipelined"
         if proposer is None:  # "ar" or "ngram": the target takes the round alone and waits for nothing
-            self.absorb_ids[msg.req_id] = None
             return
-        self.absorb_ids.pop(msg.req_id, None)
         ctx.proposer = proposer.name
         t0 = time.perf_counter()
         entry = self.cache.lookup(msg.req_id, msg.round, msg.accepted, msg.bonus) if ctx.pipelined else None
@@ -177,18 +174,6 @@ class DrafterWorker:
             log.exception("request %s: drafting failed; this round goes without drafts", ctx.req_id)
             return [], []
         return tokens, ctx.last_confidence[: len(tokens)]
-
-    def absorb_idle(self, req_id: str) -> None:
-        """Idle time after plain rounds: let the draft model absorb the states they committed."""
-        self.absorb_ids.pop(req_id, None)
-        ctx = self.contexts.get(req_id)
-        absorb = getattr(self.proposer, "absorb", None)
-        if ctx is None or absorb is None:
-            return
-        try:
-            absorb(ctx)
-        except Exception:  # the next drafting round absorbs them (and reports a failure there)
-            log.exception("request %s: absorbing target states failed", req_id)
 
     def draft_length(self, ctx: DraftContext, max_drafts: int, round_: int) -> int:
         """Drafts worth drafting for request round `round_` (all without the verify-length controller)."""
@@ -225,7 +210,6 @@ class DrafterWorker:
 
     def on_release(self, msg: ReleaseDraft) -> None:
         self.contexts.pop(msg.req_id, None)
-        self.absorb_ids.pop(msg.req_id, None)
         self.cache.drop(msg.req_id)
 
     def on_shutdown(self, msg: Shutdown) -> None:

@@ -20,7 +20,11 @@ from foresight.target_worker.worker import TargetWorker, eos_ids
 
 
 class InProcessEngine:
-    def __init__(self, model, cfg: EngineConfig | None = None, max_model_len: int | None = None, proposer=None):
+    def __init__(self, model, cfg: EngineConfig | None = None, max_model_len: int | None = None, proposer=None,
+                 foresight_to_completion: bool = False):
+        """`foresight_to_completion`: foresight jobs ignore waiting messages and run every planned stage (a
+        tiny model verifies so fast that the next outcome would cut most of them short, which tests that
+        count refreshes or cache hits must not depend on)."""
         self.cfg = cfg or EngineConfig(drafter="ngram")
         self.addrs = WorkerAddresses.fresh()
         self.ctx = zmq.Context()
@@ -28,6 +32,8 @@ class InProcessEngine:
         self.recv_from_workers = MessageSocket(self.ctx, zmq.PULL, self.addrs.workers_to_api, bind=True)
         proposer = proposer or make_proposer(self.cfg)
         self.drafter = DrafterWorker(self.cfg, self.addrs, proposer, self.ctx)
+        if foresight_to_completion:
+            self.drafter.message_waiting = lambda: False
         runner = TargetRunner(model, proposer.hidden_layers)
         self.target = TargetWorker(self.cfg, self.addrs, runner, self.ctx, eos_ids(model),
                                    max_model_len or model.config.max_position_embeddings,

@@ -190,7 +190,8 @@ def test_pipelined_engine_is_lossless_and_hits_the_cache(target, sequences):
     """(b) End to end through the round protocol: greedy output equals plain greedy decoding, every
     round after the first consults the cache, and the perfect foresight hits it."""
     drafter = make_drafter(target, sequences, passes=1, cache_size=4, temperature=0.0)
-    engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter)
+    engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter,
+                             foresight_to_completion=True)
     hits = rounds = 0
     try:
         for prompt, seq in zip(PROMPTS, sequences):

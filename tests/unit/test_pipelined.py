@@ -22,7 +22,8 @@ def model():
 @pytest.mark.parametrize("wrong", [False, True], ids=["forced-hit", "forced-miss"])
 def test_pipelined_greedy_equals_plain_greedy(model, wrong):
     proposer = OracleForesight(model, wrong=wrong)
-    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6), proposer=proposer)
+    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6), proposer=proposer,
+                             foresight_to_completion=True)
     try:
         got = engine.generate(PROMPT, 40, mode="pipelined", temperature=0.0)
     finally:
@@ -44,7 +45,8 @@ def test_pipelined_greedy_equals_plain_greedy(model, wrong):
 
 def test_sync_requests_never_consult_the_cache(model):
     proposer = OracleForesight(model)
-    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6), proposer=proposer)
+    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6), proposer=proposer,
+                             foresight_to_completion=True)
     try:
         got = engine.generate(PROMPT, 20, mode="sync", temperature=0.0)
     finally:

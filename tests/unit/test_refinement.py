@@ -339,7 +339,8 @@ def test_the_drafter_worker_sees_a_waiting_message(target, sequences):
 def test_pipelined_greedy_is_lossless_with_each_mode(target, sequences, mode):
     drafter = make_drafter(target, sequences, foresight_passes=2, cache_size=2, temperature=0.0,
                            refinement=mode, use_budget=False)
-    engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter)
+    engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter,
+                             foresight_to_completion=True)
     try:
         rounds = []
         for prompt, seq in zip(PROMPTS, sequences):
@@ -362,7 +363,8 @@ def test_the_request_mode_travels_to_the_drafter(target, sequences):
     """GenerateRequest.refinement -> StartDraft.refinement -> the drafter's per-request context; a bad one
     is refused with 400."""
     drafter = make_drafter(target, sequences, foresight_passes=1, cache_size=2, temperature=0.0, use_budget=False)
-    engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter)
+    engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter,
+                             foresight_to_completion=True)
     seen = []
     on_start = engine.drafter.handlers[StartDraft]
 
