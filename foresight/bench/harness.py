@@ -68,6 +68,8 @@ class ModeTally:
     passes: int = 0  # refinement passes spent on those blocks
     refreshes: int = 0  # context refreshes spent on those blocks
     strategies: dict[str, int] = field(default_factory=dict)  # rounds per strategy (mode auto's choices)
+    hit_committed: int = 0  # tokens committed by rounds served from the speculation cache
+    miss_committed: int = 0  # ... by rounds that looked it up and missed (a fallback draft)
 
     def summary(self, mode: str, ar_outputs: list[list[int]] | None) -> dict:
         ms = [1e3 * x for x in self.exposed_s]
@@ -90,6 +92,8 @@ class ModeTally:
             "passes_mean": self.passes / self.predrafted if self.predrafted else None,
             "refreshes_mean": self.refreshes / self.predrafted if self.predrafted else None,
             "strategy_rounds": dict(sorted(self.strategies.items())),
+            "tau_hits": self.hit_committed / self.hits if self.hits else None,
+            "tau_misses": self.miss_committed / (self.lookups - self.hits) if self.lookups > self.hits else None,
         }
 
 
@@ -117,6 +121,10 @@ async def run_one(engine: EngineClient, request: GenerateRequest, tally: ModeTal
             if stats.cache_hit is not None:
                 tally.lookups += 1
                 tally.hits += int(stats.cache_hit)
+                if stats.cache_hit:
+                    tally.hit_committed += stats.accepted + 1
+                else:
+                    tally.miss_committed += stats.accepted + 1
             if stats.cache_hit:
                 tally.predrafted += 1
                 tally.passes += stats.passes

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 MODE_FIELDS = {"tokens_per_s", "output_tokens", "wall_s", "rounds", "tau", "hit_rate", "exposed_draft_ms_mean",
                "exposed_draft_ms_p50", "exposed_draft_ms_p90", "verify_ms_mean", "outputs_match_ar",
-               "verified_drafts_mean", "passes_mean", "refreshes_mean", "strategy_rounds"}
+               "verified_drafts_mean", "passes_mean", "refreshes_mean", "strategy_rounds", "tau_hits", "tau_misses"}
 PROBE_FIELDS = {"mismatches", "mismatches_near_tie", "mismatches_unexplained", "mismatch_details"}
 
 
@@ -45,11 +45,13 @@ def test_bench_report(tmp_path):
         assert report["modes"][mode]["output_tokens"] > 0
         assert sum(report["modes"][mode]["strategy_rounds"].values()) == report["modes"][mode]["rounds"]
     assert set(report["modes"]["ar"]["strategy_rounds"]) == {"ar"}
-    assert set(report["modes"]["auto"]["strategy_rounds"]) <= {"ngram", "sync", "pipelined", "hybrid"}
+    assert set(report["modes"]["auto"]["strategy_rounds"]) <= {"ngram", "pipelined", "hybrid"}
     assert report["modes"]["ar"]["tau"] == 1.0 and report["modes"]["ar"]["exposed_draft_ms_mean"] is None
     assert report["modes"]["ar"]["verified_drafts_mean"] == 0.0 and report["modes"]["sync"]["passes_mean"] is None
     assert report["modes"]["sync"]["exposed_draft_ms_mean"] is not None
     assert 0.0 <= report["modes"]["pipelined"]["hit_rate"] <= 1.0 and report["modes"]["sync"]["hit_rate"] is None
+    assert report["modes"]["sync"]["tau_hits"] is None and report["modes"]["sync"]["tau_misses"] is None
+    assert any(report["modes"]["pipelined"][f] for f in ("tau_hits", "tau_misses"))
     assert all(report["ratios"][r] > 0 for r in ("sync_vs_ar", "pipelined_vs_sync", "pipelined_vs_ar", "auto_vs_ar"))
     assert report["ratios"]["auto_vs_best_of_ar_ngram"] == report["ratios"]["auto_vs_ar"]  # no ngram run here
     if resolved_suite_dtype() == torch.float32:

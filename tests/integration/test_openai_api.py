@@ -122,7 +122,7 @@ def test_streaming_with_nucleus_verification(client, live_server):
     assert spec["nucleus_extra_accepted_tokens"] >= 0 and spec["rounds"] >= 1
     # the server's default mode auto: how it ran each round, in the usage block and as a metric
     assert sum(spec["strategy_rounds"].values()) == spec["rounds"]
-    assert set(spec["strategy_rounds"]) <= {"ngram", "sync", "pipelined", "hybrid"}
+    assert set(spec["strategy_rounds"]) <= {"ngram", "pipelined", "hybrid"}
     metrics = httpx.get(f"{live_server}/metrics").text
     assert "foresight_nucleus_extra_accepted_tokens_total" in metrics
     counted = sum(float(line.split()[-1]) for line in metrics.splitlines()
