@@ -136,7 +136,7 @@ class DrafterWorker:
         ctx = self.contexts.get(msg.req_id)
         if ctx is None:
             return  # released meanwhile
-        if msg.verify_s > 0 and ctx.last_block:  # the budget is a block's verify, not a plain step's
+        if msg.verify_s > 0 and ctx.last_block and msg.drafts is None:  # a verify of our block, not a plain step
             self.verify_s += VERIFY_EMA * (msg.verify_s - self.verify_s) if self.verify_s else msg.verify_s
         if msg.drafts is not None:  # the target drafted that block itself (prompt lookup): not ours to learn from
             ctx.last_block, ctx.last_confidence = list(msg.drafts), []

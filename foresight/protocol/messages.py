@@ -184,12 +184,12 @@ class Outcome:
     max_drafts: int  # at most this many draft tokens are wanted (limits near max_tokens)
     verify_s: float = 0.0  # the target's last verify time: the drafter's foresight budget (paper Eq. 3)
     hidden: torch.Tensor | None = None  # [accepted + 1, n_layers * hidden] states of committed positions
-    # How round `round` runs (config.STRATEGIES). "ar" and "ngram": the target takes a plain step or drafts
-    # by prompt lookup itself and wants no block; the drafter only absorbs the outcome, so its context stays
-    # current for a later drafting round.
+    # How round `round` runs (config.STRATEGIES). The target sends an Outcome only for a round that wants a
+    # block; "ar" / "ngram" rounds (a plain step, prompt lookup by the target) are reported with the next.
     strategy: str = "sync"
-    # The accepted drafts of the block just verified when the target drafted it itself (prompt lookup);
-    # None: the block was the drafter's own (or there was none).
+    # Set when the drafter did not draft what is reported (rounds of "ar" / "ngram", reported together in the
+    # Outcome of the next round that wants a block): the committed tokens before `bonus` (`accepted` of
+    # them), and `hidden` holds their states. None: `accepted` counts drafts of the drafter's own last block.
     drafts: list[int] | None = None
 
 

@@ -25,7 +25,11 @@ class RequestState:
     strategy: str = "ar"  # how the current round runs (config.STRATEGIES): the mode, or auto's choice
     choice: RequestChoice | None = None  # mode auto: this request's side of the strategy choice
     block: list[int] | None = None  # drafts received for `round`
-    local_accepted: list[int] | None = None  # accepted drafts of the last round if the target drafted it itself
+    # Tokens committed (and their target states [n, n_layers * hidden]) that the drafter has not been told of:
+    # rounds it did not draft, which are reported in one Outcome when a round next asks it for a block, so
+    # that a run of plain / prompt-lookup rounds never wakes the drafter.
+    unsent: list[int] = field(default_factory=list)
+    unsent_hidden: list[torch.Tensor] = field(default_factory=list)
     block_cache_hit: bool | None = None
     block_passes: int = 0
     block_refreshes: int = 0

@@ -235,7 +235,6 @@ class TargetWorker:
                            refreshes=state.block_refreshes, strategy=state.strategy)
         if not with_drafts:
             self.lookup.observe(len(draft), verdict.accepted, state.last_verify_s)
-        state.local_accepted = None if with_drafts else draft[: verdict.accepted]
         committed = draft[: verdict.accepted] + [verdict.token]
         hidden = result.hidden[: verdict.accepted + 1] if result.hidden is not None else None
         self.commit(state, committed, verdict.accepted, stats, hidden)
@@ -258,16 +257,35 @@ class TargetWorker:
         if reason is not None:
             self.drop(state.req_id)
             return
+        drafter_round = stats is not None and state.awaits_block()  # before the strategy moves on
         state.anchor = tokens[-1]
         state.round += 1
         if state.drafting:
             state.strategy = self.next_strategy(state, len(tokens) if stats else None)
-            state.outcome_sent_at = time.perf_counter()
-            if not self.to_drafter(Outcome(req_id=state.req_id, round=state.round, accepted=accepted,
-                                           bonus=state.anchor, max_drafts=self.max_drafts(state),
-                                           verify_s=state.last_verify_s, hidden=hidden,
-                                           strategy=state.strategy, drafts=state.local_accepted)):
-                state.detach()  # no block will come for this round
+            self.tell_drafter(state, tokens, accepted, hidden, drafter_round)
+
+    def tell_drafter(self, state: RequestState, tokens: list[int], accepted: int, hidden: torch.Tensor | None,
+                     drafter_round: bool) -> None:
+        """Report the round's outcome when the next round wants a block; else keep it for that Outcome.
+        A drafter round followed by one is reported as (accepted, bonus) of its own block; anything else
+        as the tokens the drafter has not seen (`Outcome.drafts` + bonus)."""
+        if drafter_round and not state.unsent and state.awaits_block():
+            outcome = dict(accepted=accepted, hidden=hidden, drafts=None)
+        else:
+            state.unsent += tokens
+            if hidden is not None:
+                state.unsent_hidden.append(hidden)
+            if not state.awaits_block():
+                return  # a plain or prompt-lookup round next: the drafter need not wake
+            stack = state.unsent_hidden
+            outcome = dict(accepted=len(state.unsent) - 1, drafts=state.unsent[:-1],
+                           hidden=(torch.cat(stack) if len(stack) > 1 else stack[0]) if stack else None)
+            state.unsent, state.unsent_hidden = [], []
+        state.outcome_sent_at = time.perf_counter()
+        if not self.to_drafter(Outcome(req_id=state.req_id, round=state.round, bonus=state.anchor,
+                                       max_drafts=self.max_drafts(state), verify_s=state.last_verify_s,
+                                       strategy=state.strategy, **outcome)):
+            state.detach()  # no block will come for this round
 
     def next_strategy(self, state: RequestState, committed: int | None) -> str:
         """The strategy of the request's next round; in mode auto, after measuring the round that just
