@@ -9,10 +9,9 @@ Either way the block sent is the prefix the verify-length controller expects to 
 per second (`verify_length.py`; `--verify-length max` sends every draft).
 
 Each `Outcome` names the strategy of the round it asks for (`strategies.py`): which proposer drafts,
-whether foresight follows, or "ar" / "ngram": no block at all. The context then only records the outcome;
-the draft model absorbs the new target states when it next drafts, in one pass over all of them (absorbing
-them round by round in idle time would run the drafter beside every target step, and on a CPU the two
-workers share memory bandwidth).
+whether foresight follows. Rounds the target runs alone ("ar", "ngram") it reports in the next Outcome that
+wants a block (`Outcome.drafts`: tokens this drafter never drafted); the draft model absorbs their states
+when it next drafts, in one pass over all of them.
 """
 from __future__ import annotations
 
