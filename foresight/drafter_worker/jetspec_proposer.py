@@ -102,3 +102,5 @@ class JetSpecProposer:
             state.positions += states.shape[0]
             ctx.hidden.clear()  # absorbed into the context K/V: the raw states are no longer needed
         return state
+
+    absorb = _absorb  # the worker absorbs a new request's prompt at once (`DrafterWorker.absorb_prompt`)

@@ -125,10 +125,23 @@ class DrafterWorker:
 
     def on_start(self, msg: StartDraft) -> None:
         hidden = [msg.hidden] if msg.hidden is not None else []
-        self.contexts[msg.req_id] = DraftContext(req_id=msg.req_id, tokens=list(msg.prompt_ids), seed=msg.seed,
-                                                 hidden=hidden, temperature=msg.temperature,
-                                                 refinement=msg.refinement, proposer=self.proposer.name,
-                                                 sampling=msg.sampling)
+        ctx = self.contexts[msg.req_id] = DraftContext(
+            req_id=msg.req_id, tokens=list(msg.prompt_ids), seed=msg.seed, hidden=hidden,
+            temperature=msg.temperature, refinement=msg.refinement, proposer=self.proposer.name,
+            sampling=msg.sampling)
+        self.absorb_prompt(ctx)
+
+    def absorb_prompt(self, ctx: DraftContext) -> None:
+        """Take the prompt's target states into the draft model's context now, not in the first round that
+        asks for a block: in mode auto that round may come late, and the prompt's cost is not a round's
+        (it would make the strategy that pays it look slow)."""
+        absorb = getattr(self.proposer, "absorb", None)
+        if absorb is None or not ctx.hidden:
+            return
+        try:
+            absorb(ctx)
+        except Exception:  # the first drafting round absorbs them instead (and reports a failure there)
+            log.exception("request %s: absorbing the prompt's target states failed", ctx.req_id)
 
     def on_outcome(self, msg: Outcome) -> None:
         """Verification of the last block ended at (k, a): answer with the next block at once."""
