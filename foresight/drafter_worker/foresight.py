@@ -181,10 +181,12 @@ class ForesightDrafter(JetSpecProposer):
             state.unscored.clear()
         return state
 
-    def absorb(self, ctx: DraftContext) -> _RequestState:
-        """The draft model's part of `_absorb` (a new request's prompt, `DrafterWorker.absorb_prompt`): what
-        every strategy needs; the adapter and decoder take the states when foresight first runs."""
-        return self._absorb(ctx, draft_only=True)
+    absorb = _absorb
+
+    def absorb_prompt(self, ctx: DraftContext) -> None:
+        """A new request's prompt into the draft model only (`DrafterWorker.absorb_prompt`): what every
+        strategy needs; the adapter and decoder take the states when foresight first runs."""
+        self._absorb(ctx, draft_only=True)
 
     def _take_decoder_new(self, state: _RequestState) -> torch.Tensor | None:
         """The true states [m, H] at the decoder's input that its cache has not taken yet (cleared)."""

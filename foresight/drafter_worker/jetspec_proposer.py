@@ -103,4 +103,6 @@ class JetSpecProposer:
             ctx.hidden.clear()  # absorbed into the context K/V: the raw states are no longer needed
         return state
 
-    absorb = _absorb  # the worker absorbs a new request's prompt at once (`DrafterWorker.absorb_prompt`)
+    def absorb_prompt(self, ctx: DraftContext) -> None:
+        """A new request's prompt into the context K/V at once (`DrafterWorker.absorb_prompt`)."""
+        self._absorb(ctx)

@@ -135,7 +135,7 @@ class DrafterWorker:
         """Take the prompt's target states into the draft model's context now, not in the first round that
         asks for a block: in mode auto that round may come late, and the prompt's cost is not a round's
         (it would make the strategy that pays it look slow)."""
-        absorb = getattr(self.proposer, "absorb", None)
+        absorb = getattr(self.proposer, "absorb_prompt", None)
         if absorb is None or not ctx.hidden:
             return
         try:

@@ -123,3 +123,29 @@ def test_offered_and_auto_strategies():
     model = ScriptedProposer(96)
     offered = offered_strategies(model, cfg)
     assert set(offered) == {"sync", "hybrid"} and auto_strategies(offered) == ["hybrid"]
+
+
+def test_the_drafter_absorbs_a_prompt_when_the_request_starts():
+    """The prompt's target states go into the draft model at StartDraft, not in the first round that asks
+    for a block (in auto that round may come late, and must not pay for the prompt)."""
+    import zmq
+
+    from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
+    from foresight.drafter_worker.worker import DrafterWorker
+    from foresight.protocol.addresses import WorkerAddresses
+    from foresight.protocol.messages import StartDraft
+    from test_foresight import make_draft_model, true_states
+
+    model = tiny_model("llama")
+    proposer = JetSpecProposer(make_draft_model(model), passes=1)
+    zctx, addrs = zmq.Context(), WorkerAddresses.fresh()
+    try:
+        worker = DrafterWorker(EngineConfig(drafter="ngram"), addrs, proposer, zctx)
+        prompt = PROMPTS[0]
+        hidden = true_states(model, prompt, proposer.hidden_layers)  # [prompt_len, n_layers * hidden]
+        worker.on_start(StartDraft(req_id="r", prompt_ids=prompt, seed=0, hidden=hidden))
+        ctx = worker.contexts["r"]
+        assert ctx.hidden == [] and ctx.drafter_state.positions == len(prompt)
+    finally:
+        zctx.destroy(linger=0)
+        addrs.remove()
