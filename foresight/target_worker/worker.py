@@ -266,10 +266,12 @@ class TargetWorker:
 
     def tell_drafter(self, state: RequestState, tokens: list[int], accepted: int, hidden: torch.Tensor | None,
                      drafter_round: bool) -> None:
-        """Report the round's outcome when the next round wants a block; else keep it for that Outcome.
-        A drafter round followed by one is reported as (accepted, bonus) of its own block; anything else
-        as the tokens the drafter has not seen (`Outcome.drafts` + bonus)."""
-        if drafter_round and not state.unsent and state.awaits_block():
+        """Report a drafter round's outcome at once, as (accepted, bonus) of its own block: the next round
+        wants a block, or runs without the drafter, and then the message also ends the foresight job the
+        block started (it would run on beside the target's steps). Rounds the drafter did not draft are
+        kept and reported as the tokens it has not seen (`Outcome.drafts` + bonus) with the next round that
+        wants a block."""
+        if drafter_round and not state.unsent:
             outcome = dict(accepted=accepted, hidden=hidden, drafts=None)
         else:
             state.unsent += tokens
