@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..protocol.messages import GenerateRequest
-from .strategy_choice import RequestChoice
+from .strategy_choice import LOCAL_STRATEGIES, RequestChoice
 
 
 @dataclass(slots=True)
@@ -50,7 +50,7 @@ class RequestState:
 
     def awaits_block(self) -> bool:
         """Does the current round verify a block from the drafter (not a plain step or local prompt lookup)?"""
-        return self.drafting and self.strategy not in ("ar", "ngram")
+        return self.drafting and self.strategy not in LOCAL_STRATEGIES
 
     def ready(self) -> bool:
         """Can the target do this request's next step without waiting for the drafter?"""

@@ -69,7 +69,7 @@ class TargetWorker:
         picks from (besides local prompt lookup, "ngram")."""
         self.cfg = cfg
         self.strategies = LOCAL_STRATEGIES + tuple(s for s in strategies if s not in LOCAL_STRATEGIES)
-        self.chooser = StrategyChooser(("ngram",) + tuple(s for s in auto_strategies if s not in LOCAL_STRATEGIES))
+        self.chooser = StrategyChooser(("ngram",) + tuple(auto_strategies))  # the drafter's own + local lookup
         self.lookup = LocalLookup(cfg)
         self.busy_s = 0.0  # seconds spent in steps so far, all requests (a round's own time excludes others')
         self.runner = runner
@@ -279,9 +279,8 @@ class TargetWorker:
                 state.unsent_hidden.append(hidden)
             if not state.awaits_block():
                 return  # a plain or prompt-lookup round next: the drafter need not wake
-            stack = state.unsent_hidden
             outcome = dict(accepted=len(state.unsent) - 1, drafts=state.unsent[:-1],
-                           hidden=(torch.cat(stack) if len(stack) > 1 else stack[0]) if stack else None)
+                           hidden=torch.cat(state.unsent_hidden) if state.unsent_hidden else None)
             state.unsent, state.unsent_hidden = [], []
         state.outcome_sent_at = time.perf_counter()
         if not self.to_drafter(Outcome(req_id=state.req_id, round=state.round, bonus=state.anchor,
