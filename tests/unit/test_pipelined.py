@@ -112,5 +112,9 @@ def test_an_outcome_that_arrives_during_foresight_ends_the_job(model):
     finally:
         engine.close()
     assert got["tokens"] == plain_greedy(model, PROMPT, 30, eos=model.config.eos_token_id)
-    assert proposer.overran == 0 and proposer.interrupted >= len(got["rounds"]) - 2
-    assert sum(bool(r.cache_hit) for r in got["rounds"]) >= len(got["rounds"]) - 2
+    # Every job that started ended on a message, never on its own cap. (Under load a job may also be skipped
+    # as stale: its outcome came before it started. How many run is timing; that none overruns is not.)
+    assert proposer.overran == 0 and proposer.interrupted >= 1
+    # Each interrupted job cached its (oracle, always right) entries before its outcome was handled, so
+    # every one of them but the last (ended by the request's release) answered a round from the cache.
+    assert sum(bool(r.cache_hit) for r in got["rounds"]) >= proposer.interrupted - 1
