@@ -11,10 +11,12 @@ what earlier requests of the same class (greedy or sampled: acceptance differs t
 lately, which counts as at most PRIOR_ROUNDS rounds. Each round takes the best estimate, except for trials:
 a strategy no request of the class has run yet is tried at once; any other is tried again once the
 class has run EXPLORE_ROUNDS / r**2 rounds since its last trial (at most MAX_WAIT), where r is its
-estimate over the best one's: close rivals are re-checked often, hopeless ones rarely. A trial round that
+estimate over the best one's: close rivals are re-checked often, hopeless ones rarely; an estimate resting
+on fewer than CONFIDENT_ROUNDS rounds waits proportionally less (a couple of unlucky early rounds must not
+bench a strategy for a hundred rounds: per-round goodput swings with each block's acceptance). A trial round that
 clearly beats the best estimate is extended (up to MAX_TRIAL rounds), so a strategy that starts paying again takes
 over within a request instead of waiting for its stale pooled figures to fade. A rival at r of the best
-costs (1 - r) * r**2 / EXPLORE_ROUNDS of goodput, at most 0.23 % (r = 2/3).
+costs (1 - r) * r**2 / EXPLORE_ROUNDS of goodput once its estimate is confident, at most 0.23 % (r = 2/3).
 
 Only rounds of `auto` requests are measured here: a request that fixed its mode teaches auto nothing.
 The first round of each strategy in a class is not measured either: first calls pay one-off costs
@@ -32,6 +34,7 @@ LOCAL_STRATEGIES = ("ar", "ngram")
 POOLED_DECAY = 0.95  # per round a strategy runs: the pooled figures follow its last ~20 rounds
 PRIOR_ROUNDS = 8.0  # the pooled estimate weighs at most this many of the request's own rounds
 EXPLORE_ROUNDS = 64.0  # rounds between trials of a strategy as good as the best (longer for worse ones)
+CONFIDENT_ROUNDS = 8.0  # pooled rounds behind an estimate for its full wait between trials
 MAX_WAIT = 400.0  # rounds: even a hopeless strategy is tried again this often (the workload may change)
 MAX_TRIAL = 4  # rounds a promising trial may run
 PROMISING = 1.1  # a trial round is promising when it beats every other estimate by this factor (not by noise)
@@ -155,7 +158,8 @@ class StrategyChooser:
             if s == best:
                 continue
             ratio = min(1.0, rates[s] / top) if top else 1.0
-            wait = min(MAX_WAIT, EXPLORE_ROUNDS / max(ratio, 1e-3) ** 2)
+            confidence = min(1.0, max(1.0, self.pooled[group][s].rounds) / CONFIDENT_ROUNDS)
+            wait = min(MAX_WAIT, EXPLORE_ROUNDS / max(ratio, 1e-3) ** 2) * confidence
             age = now - self.tried_at.get((group, s), now)
             if age >= wait:
                 overdue[s] = age / wait

@@ -103,3 +103,18 @@ def test_request_groups_do_not_share_figures():
     sampled = chooser.start("sampled")
     assert chooser.estimates(sampled) == {"ar": None, "sync": None}
     assert request_group(0.0) == "greedy" and request_group(0.7) == "sampled"
+
+
+def test_an_estimate_from_a_few_unlucky_rounds_is_checked_again_soon():
+    chooser = StrategyChooser(("ngram", "pipelined"))
+    choice = chooser.start("greedy")
+    unlucky = 3  # ngram's warm-up round and its first two measured rounds: rejected lookups, slow
+    for _ in range(200):
+        if choice.current == "ngram":
+            tokens, seconds = (1, 0.08) if unlucky else (1, 0.05)
+            unlucky = max(0, unlucky - 1)
+        else:
+            tokens, seconds = (1, 0.06)
+        chooser.observe(choice, tokens, seconds)
+        chooser.advance(choice)
+    assert choice.rounds["ngram"] > 150, choice.rounds  # its estimate at r = 0.75 alone would wait 114 rounds
