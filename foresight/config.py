@@ -49,6 +49,10 @@ class EngineConfig:
     drafter_device: str = "cpu"
     target_threads: int = 1
     drafter_threads: int = 1
+    # CPU: a target step also runs on the drafter's threads while the drafter has nothing to do (no block
+    # being drafted, no foresight running): plain and prompt-lookup rounds, and the verification of a
+    # sync or hybrid block, during which the drafter waits for the outcome.
+    borrow_drafter_threads: bool = True
     ngram_max: int = 4  # longest n-gram the prompt-lookup proposer matches
     ngram_min: int = 2  # 1-gram matches mostly propose wrong drafts, which cost verify time
     hybrid_min_match: int = 3  # hybrid: prompt lookup drafts on a match of at least this many tokens
@@ -188,6 +192,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter-device", default=d.drafter_device)
     g.add_argument("--target-threads", type=int, default=d.target_threads)
     g.add_argument("--drafter-threads", type=int, default=d.drafter_threads)
+    g.add_argument("--borrow-drafter-threads", default=d.borrow_drafter_threads,
+                   action=argparse.BooleanOptionalAction,
+                   help="CPU: target steps also use the drafter's threads while the drafter idles")
     g.add_argument("--ngram-max", type=int, default=d.ngram_max, help="prompt lookup: longest n-gram matched")
     g.add_argument("--ngram-min", type=int, default=d.ngram_min, help="prompt lookup: shortest n-gram matched")
     g.add_argument("--hybrid-min-match", type=int, default=d.hybrid_min_match,

@@ -49,6 +49,7 @@ from .loading import load_target, resolve_dtype, resolve_target
 from .local_lookup import LocalLookup
 from .request_state import RequestState
 from .runner import TargetRunner
+from .step_threads import StepThreads, drafter_busy
 from .strategy_choice import LOCAL_STRATEGIES, StrategyChooser, request_group
 from .verification import Verdict, verify
 
@@ -64,10 +65,12 @@ NGRAM_STRATEGIES = ("sync",)
 class TargetWorker:
     def __init__(self, cfg: EngineConfig, addrs: WorkerAddresses, runner: TargetRunner, ctx: zmq.Context,
                  eos_token_ids: list[int], max_model_len: int, strategies: tuple[str, ...] = NGRAM_STRATEGIES,
-                 auto_strategies: tuple[str, ...] = ()):
+                 auto_strategies: tuple[str, ...] = (), threads: StepThreads | None = None):
         """`strategies`: the drafting strategies the drafter offers; `auto_strategies`: those of them mode auto
-        picks from (besides local prompt lookup, "ngram")."""
+        picks from (besides local prompt lookup, "ngram"); `threads`: sets the thread count of each step
+        (the worker process; None leaves torch's setting alone, as a worker run in a thread must)."""
         self.cfg = cfg
+        self.threads = threads
         self.strategies = LOCAL_STRATEGIES + tuple(s for s in strategies if s not in LOCAL_STRATEGIES)
         self.chooser = StrategyChooser(("ngram",) + tuple(auto_strategies))  # the drafter's own + local lookup
         self.lookup = LocalLookup(cfg)
@@ -114,6 +117,8 @@ class TargetWorker:
             if state is None:
                 self.poller.poll(IDLE_POLL_MS)
                 continue
+            if self.threads is not None:
+                self.threads.use(drafter_busy=drafter_busy(self.requests.values()))
             t0 = time.perf_counter()
             self.step(state)
             self.busy_s += time.perf_counter() - t0
@@ -339,7 +344,7 @@ def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], strategies:
         runner = TargetRunner(model, hidden_layers)
         max_len = cfg.max_model_len or model.config.max_position_embeddings
         TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),
-                     tuple(auto_strategies)).run()
+                     tuple(auto_strategies), StepThreads.from_config(cfg)).run()
 
 
 def verify_block(logits: torch.Tensor, draft: list[int], sampling, generator: torch.Generator) -> Verdict:

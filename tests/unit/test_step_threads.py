@@ -1,0 +1,41 @@
+"""The target borrows the drafter's threads exactly while the drafter has nothing to do."""
+from __future__ import annotations
+
+import torch
+
+from foresight.config import EngineConfig
+from foresight.protocol.messages import GenerateRequest, SamplingParams
+from foresight.target_worker.request_state import RequestState
+from foresight.target_worker.step_threads import StepThreads, drafter_busy
+
+
+def state(strategy: str, block: list[int] | None, prefilled: bool = True, drafting: bool = True) -> RequestState:
+    s = RequestState(request=GenerateRequest(req_id="r", prompt_ids=[1, 2], max_tokens=4,
+                                                   sampling=SamplingParams()), mode="auto",
+                     generator=torch.Generator(), drafting=drafting, strategy=strategy, block=block)
+    s.cache = object() if prefilled else None
+    return s
+
+
+def test_the_drafter_is_busy_only_while_it_drafts_or_runs_foresight():
+    assert not drafter_busy([])
+    assert not drafter_busy([state("ngram", None), state("ar", None)])  # rounds the target runs alone
+    assert drafter_busy([state("hybrid", None)])  # its block is being drafted
+    assert not drafter_busy([state("hybrid", [5, 6])])  # block here: the drafter waits for the outcome
+    assert not drafter_busy([state("sync", [5, 6])])
+    assert drafter_busy([state("pipelined", [5, 6])])  # foresight runs beside the verification
+    assert not drafter_busy([state("hybrid", None, prefilled=False)])  # no block asked for before prefill
+    assert not drafter_busy([state("hybrid", None, drafting=False)])  # detached: the drafter is down
+    assert drafter_busy([state("ngram", None), state("sync", None)])  # any request's drafting counts
+
+
+def test_step_threads_borrow_the_drafters_share_and_switch_only_on_change(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    threads = StepThreads(own=1, borrowable=2)
+    assert threads.use(drafter_busy=False) == 3 and threads.use(drafter_busy=False) == 3
+    assert threads.use(drafter_busy=True) == 1
+    assert calls == [3, 1]
+    assert StepThreads.from_config(EngineConfig(drafter_threads=2)).borrowable == 2
+    assert StepThreads.from_config(EngineConfig(borrow_drafter_threads=False)).borrowable == 0
+    assert StepThreads.from_config(EngineConfig(drafter_device="cuda:1")).borrowable == 0  # not the CPU's cores
