@@ -8,7 +8,7 @@ target's verify time):
     predict + (1 + J) * pass(B) + R * refresh(B)  <=  budget
 
 pass(B) and refresh(B) are the seconds of one batched pass / refresh over B rows, measured by batch size
-(`CostBySize`: an EMA per size, a least-squares line for sizes not measured). They are not B times a
+(`costs.CostBySize`: a running estimate per size, a least-squares line for sizes not measured). They are not B times a
 per-row cost: where a few-row pass costs what reading the weights costs (CPU, GPU decode) four rows cost
 about what one does, and a per-row model would wrongly trade outcomes for passes.
 
@@ -20,11 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .verify_length import CostBySize
+from .costs import CostBySize, RunningCost
 
-__all__ = ["COST_EMA", "Plan", "StepCosts", "plan_round"]
+__all__ = ["Plan", "StepCosts", "plan_round"]
 
-COST_EMA = 0.3  # weight of the newest measurement in the prediction's running estimate
 _EPS = 1e-9  # float slack, so that an exact fit counts as a fit
 
 
@@ -32,13 +31,13 @@ _EPS = 1e-9  # float slack, so that an exact fit counts as a fit
 class StepCosts:
     """Running estimates of the drafter's work, in seconds; nothing measured = 0 / empty."""
 
-    predict_s: float = 0.0  # adapter + decoder over the block under verification (EMA)
+    predict: RunningCost = field(default_factory=RunningCost)  # adapter + decoder over the block under verification
     passes: CostBySize = field(default_factory=CostBySize)  # one batched draft pass, by rows
     refreshes: CostBySize = field(default_factory=CostBySize)  # one batched context refresh, by rows
 
-    def update(self, name: str, seconds: float) -> None:
-        old = getattr(self, name)
-        setattr(self, name, seconds if not old else old + COST_EMA * (seconds - old))
+    @property
+    def predict_s(self) -> float:
+        return self.predict.seconds
 
     def pass_s(self, rows: int) -> float:
         """One pass over `rows` rows (0: not measured yet)."""

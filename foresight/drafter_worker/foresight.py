@@ -1,8 +1,8 @@
 """Foresight drafting (JetSpec++ section 4.2) with batched drafting of the selected outcomes.
 
-`ForesightDrafter` composes the draft model, the adapter and the decoder. Per request it keeps three
-contexts built from the target's TRUE states of committed positions: the draft model's projected
-context K/V, the adapter's context and the decoder's K/V cache. The target sends the states at
+`ForesightDrafter` composes a JetSpec proposer (the draft model), the adapter and the decoder. Per request
+three contexts are built from the target's TRUE states of committed positions: the draft model's projected
+context K/V (kept by the JetSpec proposer), the adapter's context and the decoder's K/V cache (kept here). The target sends the states at
 `hidden_layers`, the sorted union of the indices the three read, concatenated in that order; each
 consumer gets its own columns.
 
@@ -48,11 +48,11 @@ from ..protocol.messages import SamplingParams
 from ..target_worker.sampling import target_probs
 from ..target_worker.verification import in_nucleus
 from .budget import Plan, StepCosts, plan_round
-from .decoder import DecoderCache, ForesightDecoder
-from .draft_model import ContextKV, DraftModel, SharedWeights, draw_noise
-from .jetspec_proposer import JetSpecProposer, load_drafter_target
+from ..models.decoder import DecoderCache, ForesightDecoder
+from ..models.draft_model import ContextKV, DraftModel, SharedWeights, draw_noise
+from .jetspec_proposer import DraftModelState, JetSpecProposer, load_drafter_target
 from .outcomes import Outcome, outcome_scores, select_outcomes
-from .proposer import DraftContext
+from .proposer import Draft, DraftContext
 from .refinement import MODES, Refiner, row_contexts
 from .speculation_cache import CacheEntry
 
@@ -61,14 +61,16 @@ __all__ = ["ForesightDrafter"]
 
 @dataclass(slots=True)
 class _RequestState:
-    draft: ContextKV | None = None  # the draft model's projected context K/V
+    model: DraftModelState  # the draft model's context and the request's noise generator (the JetSpec proposer's)
     adapter: object = None  # the adapter's context
     decoder: DecoderCache | None = None
-    positions: int = 0  # context positions the draft model has absorbed (0..positions-1)
     scored: int = 0  # context positions the adapter and decoder have absorbed
     unscored: list = field(default_factory=list)  # [n, ...] target states the draft model took, the adapter not yet
     decoder_new: list = field(default_factory=list)  # [n, H] states at the decoder's input its cache lacks
-    generator: torch.Generator = field(default_factory=torch.Generator)
+
+    @property
+    def draft(self) -> ContextKV | None:
+        return self.model.ctx
 
 
 @dataclass(slots=True)
@@ -83,7 +85,7 @@ class ForesightStats:
     mode: str = ""  # the refinement mode used
 
 
-class ForesightDrafter(JetSpecProposer):
+class ForesightDrafter:
     """A JetSpec draft model with foresight (adapter + decoder): supports pipelined mode."""
 
     name = "jetspec++"
@@ -97,15 +99,15 @@ class ForesightDrafter(JetSpecProposer):
         `refreshes`: R at most (None: up to J); `refinement`: the default mode (none | refresh | anchor);
         `use_budget`: False plans the caps whatever the verify time (tests, fixed-J/R ablations);
         `temperature`: the sampling temperature to score outcomes at (None: temperature 1, the paper's)."""
-        super().__init__(model, passes)
         if adapter is None or decoder is None:
             raise ValueError("foresight needs both an adapter and a decoder (use JetSpecProposer without them)")
         if cache_size < 1:
             raise ValueError("cache_size must be >= 1")
         if refinement not in MODES or (refreshes is not None and refreshes < 0):
             raise ValueError(f"refinement must be one of {MODES} and refreshes >= 0")
-        self.adapter, self.decoder = adapter, decoder
+        self.model, self.adapter, self.decoder = model, adapter, decoder
         self.cache_size = cache_size
+        self.passes = model.config.default_passes if passes is None else passes
         self.foresight_passes = self.passes if foresight_passes is None else foresight_passes
         self.refreshes, self.refinement, self.use_budget = refreshes, refinement, use_budget
         self.temperature = temperature
@@ -140,7 +142,7 @@ class ForesightDrafter(JetSpecProposer):
             return torch.cat([torch.arange(hidden) + self.hidden_layers.index(i) * hidden for i in indices])
 
         # Columns of each consumer in the target's message (hidden_layers order).
-        self._draft_cols = cols(list(model.config.target_layers))
+        self.jetspec = JetSpecProposer(model, self.passes, columns=cols(list(model.config.target_layers)))
         self._adapter_cols = cols(adapter_idx)
         self._decoder_cols = cols([decoder.input_index])
         # Columns of the decoder's input, and of the draft model's sources, in the adapter's prediction.
@@ -153,23 +155,34 @@ class ForesightDrafter(JetSpecProposer):
         self._hidden = hidden
         self.costs = StepCosts()  # measured costs of the prediction and of batched passes and refreshes
         self.stats = ForesightStats()
+        self.requests: dict[str, _RequestState] = {}
 
     # ------------------------------------------------------------------ contexts
+
+    def add_request(self, ctx: DraftContext) -> None:
+        """A new request's prompt into the draft model only (`DrafterWorker.on_start`): what every strategy
+        needs; the adapter and decoder take the states when foresight first runs."""
+        self._absorb(ctx, draft_only=True)
+
+    def release(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+        self.jetspec.release(req_id)
+
+    def state(self, ctx: DraftContext) -> _RequestState:
+        state = self.requests.get(ctx.req_id)
+        if state is None:
+            state = self.requests[ctx.req_id] = _RequestState(
+                model=self.jetspec.state(ctx), adapter=self.adapter.new_context(), decoder=self.decoder.new_cache())
+        return state
 
     def _absorb(self, ctx: DraftContext, draft_only: bool = False) -> _RequestState:
         """Feed the target states not yet absorbed (ctx.hidden) into the draft model's context and, unless
         `draft_only`, the adapter's; the decoder takes them in its next pass (`predict`, `_flush_decoder`).
         A pipelined miss drafts with `draft_only` so the target does not wait for the adapter and decoder."""
-        state = ctx.drafter_state
-        if state is None:
-            state = ctx.drafter_state = _RequestState(adapter=self.adapter.new_context(),
-                                                      decoder=self.decoder.new_cache())
-            state.generator.manual_seed(ctx.seed)  # independent of the target's draws
+        state = self.state(ctx)
         states = ctx.pending_hidden()  # [n, len(hidden_layers) * H]
         if states is not None:
-            with torch.inference_mode():
-                state.draft = self.model.extend_context(state.draft, states[:, self._draft_cols], state.positions)
-            state.positions += states.shape[0]
+            self.jetspec.extend(ctx, states)
             state.unscored.append(states)
             ctx.hidden.clear()
         if not draft_only and state.unscored:
@@ -182,11 +195,6 @@ class ForesightDrafter(JetSpecProposer):
         return state
 
     absorb = _absorb
-
-    def absorb_prompt(self, ctx: DraftContext) -> None:
-        """A new request's prompt into the draft model only (`DrafterWorker.absorb_prompt`): what every
-        strategy needs; the adapter and decoder take the states when foresight first runs."""
-        self._absorb(ctx, draft_only=True)
 
     def _take_decoder_new(self, state: _RequestState) -> torch.Tensor | None:
         """The true states [m, H] at the decoder's input that its cache has not taken yet (cleared)."""
@@ -201,19 +209,12 @@ class ForesightDrafter(JetSpecProposer):
 
     # ------------------------------------------------------------------ fallback
 
-    def propose(self, ctx: DraftContext, max_drafts: int) -> list[int]:
-        """Sync mode: J0 + `passes` (as JetSpecProposer). Pipelined miss: the fallback, J0 only."""
+    def propose(self, ctx: DraftContext, max_drafts: int) -> Draft:
+        """Sync mode: J0 + `passes` (the JetSpec proposer's). Pipelined miss: the fallback, J0 only."""
         if max_drafts <= 0:
-            return []
-        state = self._absorb(ctx, draft_only=True)
-        if state.draft is None:
-            return []
-        noise = draw_noise(ctx.tokens, max_drafts - 1, state.generator)
-        passes = 0 if ctx.pipelined else self.passes
-        ids, probs = self.model.draft_with_confidence([state.draft], torch.tensor([ctx.tokens[-1]]), noise[None],
-                                                      passes)
-        ctx.last_confidence = probs[-1][0].tolist()  # the verify-length controller's acceptance evidence
-        return ids[-1][0].tolist()
+            return Draft()
+        self._absorb(ctx, draft_only=True)
+        return self.jetspec.propose(ctx, max_drafts, passes=0 if ctx.pipelined else self.passes)
 
     # ------------------------------------------------------------------ foresight
 
@@ -292,6 +293,10 @@ class ForesightDrafter(JetSpecProposer):
         ids, probs = self.model.draft_with_confidence(contexts, anchors, noise, passes)
         return ids[-1], probs[-1]
 
+    def bound_rows(self, state: _RequestState, n: int) -> "_BoundRows":
+        """This drafter over the request's true context of n positions, as `Refiner` drafts with it."""
+        return _BoundRows(self, state, n)
+
     def plan(self, budget_s: float, mode: str) -> Plan:
         """This round's B, J, R (Eq. 3, `budget.plan_round`): caps `cache_size`, `foresight_passes` and
         `refreshes` (None: J; mode "none": 0); the caps alone without a budget or with use_budget off."""
@@ -318,7 +323,7 @@ class ForesightDrafter(JetSpecProposer):
         # A fixed temperature given at construction wins; else the request's own (from StartDraft).
         temperature = self.temperature if self.temperature is not None else ctx.temperature
         t1 = time.perf_counter()
-        self.costs.update("predict_s", t1 - t0)
+        self.costs.predict.observe(t1 - t0)
         plan = self.plan(budget_s, mode)
         picked = self.select(logits, block, plan.outcomes, temperature, ctx.sampling)
         if not picked or stop():
@@ -338,21 +343,39 @@ class ForesightDrafter(JetSpecProposer):
         followed by a pass. states [gamma+1, n_src*H]: the predicted draft-model states of the block.
         Returns the refiner holding the drafts [B, max_drafts] and what each row spent."""
         n = len(ctx.tokens) - 1
-        noise = torch.stack([draw_noise(ctx.tokens + block[:o.k] + [o.a], max_drafts - 1, state.generator)
+        noise = torch.stack([draw_noise(ctx.tokens + block[:o.k] + [o.a], max_drafts - 1, state.model.generator)
                              for o in picked])  # [B, max_drafts-1]
         outcomes, plain = [(o.k, o.a) for o in picked], plan.passes - plan.refreshes
         t0 = time.perf_counter()
         drafts, confidence = self.draft_outcomes(state, n, states, outcomes, noise, plain)
         self.costs.passes.observe(len(picked), (time.perf_counter() - t0) / (1 + plain))
-        refiner = Refiner(self, state, n, ctx.tokens[-1], block, outcomes, drafts, mode, passes=plain,
+        refiner = Refiner(self.bound_rows(state, n), ctx.tokens[-1], block, outcomes, drafts, mode, passes=plain,
                           confidence=confidence)
         refiner.run(plan.refreshes, self.costs, stop)
         return refiner
 
 
+@dataclass(frozen=True, slots=True)
+class _BoundRows:
+    """The drafter over one request's true context at position n: what `Refiner` drafts with."""
+
+    drafter: ForesightDrafter
+    state: _RequestState
+    n: int
+
+    def refresh_rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pred, logits, dec_states = self.drafter.predict_rows(self.state, self.n, tokens)  # [rows, L, ...]
+        return logits, self.drafter.draft_states(pred, dec_states)
+
+    @torch.inference_mode()
+    def draft_rows(self, states: torch.Tensor, lengths: list[int], inputs: torch.Tensor) -> torch.Tensor:
+        model = self.drafter.model
+        return model.draft_pass(row_contexts(model, self.state.draft, self.n, states, lengths), inputs)
+
+
 def resolve_adapter_path(cfg: EngineConfig, drafter_path: Path) -> Path | None:
     """`auto`: the adapter shipped beside the drafter (`<drafter>/adapter`), if any; `none`: no foresight."""
-    from .adapter import is_adapter_checkpoint
+    from ..models.adapter import is_adapter_checkpoint
 
     if cfg.adapter == "none":
         return None
@@ -367,7 +390,7 @@ def resolve_adapter_path(cfg: EngineConfig, drafter_path: Path) -> Path | None:
 
 def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineConfig) -> ForesightDrafter:
     """Draft model + adapter from their checkpoints, decoder = the target's layers above the adapter's top index."""
-    from .adapter import Adapter
+    from ..models.adapter import Adapter
 
     target, dtype = load_drafter_target(cfg)
     model = DraftModel.load(drafter_path, SharedWeights.from_target(target), cfg.drafter_device, dtype)

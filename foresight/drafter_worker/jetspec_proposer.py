@@ -2,7 +2,8 @@
 
 Per request it keeps the projected context keys/values, extended with each round's new target states
 (the anchor of the previous round plus the accepted drafts), so a round costs only the new positions
-plus one block pass per Jacobi iteration.
+plus one block pass per Jacobi iteration. `ForesightDrafter` drafts through one of these: its fallback
+drafts and its pre-drafted rows share the request's context and noise generator kept here.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, EngineConfig
-from .draft_model import ContextKV, DraftModel, SharedWeights, draw_noise, is_checkpoint
-from .proposer import DraftContext
+from ..models.draft_model import ContextKV, DraftModel, SharedWeights, draw_noise, is_checkpoint
+from .proposer import Draft, DraftContext
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"  # the embedded default target's drafter
 
@@ -53,20 +54,26 @@ def load_drafter_target(cfg: EngineConfig):
 
 
 @dataclass(slots=True)
-class _RequestState:
-    ctx: ContextKV | None = None
+class DraftModelState:
+    """One request's draft-model context."""
+
+    ctx: ContextKV | None = None  # projected context K/V of positions 0..positions-1 (None: none yet)
     positions: int = 0  # context positions absorbed so far
-    generator: torch.Generator = field(default_factory=torch.Generator)
+    generator: torch.Generator = field(default_factory=torch.Generator)  # the request's draft noise
 
 
 class JetSpecProposer:
     name = "jetspec"
     supports_foresight = False  # foresight needs an adapter and decoder: ForesightDrafter
 
-    def __init__(self, model: DraftModel, passes: int | None = None):
+    def __init__(self, model: DraftModel, passes: int | None = None, columns: torch.Tensor | None = None):
+        """`columns`: the draft model's columns of the target states the worker receives (None: all of
+        them, in `hidden_layers` order)."""
         self.model = model
         self.hidden_layers = list(model.config.target_layers)
         self.passes = model.config.default_passes if passes is None else passes
+        self.columns = columns
+        self.requests: dict[str, DraftModelState] = {}
 
     @classmethod
     def load(cls, path: str | Path, target, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -79,30 +86,48 @@ class JetSpecProposer:
         target, dtype = load_drafter_target(cfg)
         return cls.load(path, target, cfg.drafter_device, dtype, cfg.draft_passes)  # the target's layers are dropped after this
 
-    def propose(self, ctx: DraftContext, max_drafts: int) -> list[int]:
+    def add_request(self, ctx: DraftContext) -> None:
+        """The prompt's target states into the context K/V at once (`DrafterWorker.on_start`)."""
+        self.absorb(ctx)
+
+    def release(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    def state(self, ctx: DraftContext) -> DraftModelState:
+        """The request's state, created on first use (its noise seeded by the request, independent of the
+        target's draws)."""
+        state = self.requests.get(ctx.req_id)
+        if state is None:
+            state = self.requests[ctx.req_id] = DraftModelState()
+            state.generator.manual_seed(ctx.seed)
+        return state
+
+    def propose(self, ctx: DraftContext, max_drafts: int, passes: int | None = None) -> Draft:
+        """J0 + `passes` Jacobi passes (None: the configured number) after the anchor."""
         if max_drafts <= 0:
-            return []
-        state = self._absorb(ctx)
+            return Draft()
+        state = self.absorb(ctx)
         if state.ctx is None:
-            return []  # no target states (the target was started without our layers)
+            return Draft()  # no target states (the target was started without our layers)
         noise = draw_noise(ctx.tokens, max_drafts - 1, state.generator)
         ids, probs = self.model.draft_with_confidence([state.ctx], torch.tensor([ctx.tokens[-1]]), noise[None],
-                                                      self.passes)
-        ctx.last_confidence = probs[-1][0].tolist()  # the verify-length controller's acceptance evidence
-        return ids[-1][0].tolist()
+                                                      self.passes if passes is None else passes)
+        return Draft(ids[-1][0].tolist(), probs[-1][0].tolist())
 
-    def _absorb(self, ctx: DraftContext) -> _RequestState:
-        state = ctx.drafter_state
-        if state is None:
-            state = ctx.drafter_state = _RequestState()
-            state.generator.manual_seed(ctx.seed)  # independent of the target's draws
-        states = ctx.pending_hidden()  # [n, n_src * H_t]
+    def absorb(self, ctx: DraftContext) -> DraftModelState:
+        """Take the target states no proposer has absorbed yet (`ctx.hidden`) into the context K/V."""
+        states = ctx.pending_hidden()  # [n, len(hidden_layers) * H_t]
+        state = self.extend(ctx, states)
         if states is not None:
-            state.ctx = self.model.extend_context(state.ctx, states, state.positions)
-            state.positions += states.shape[0]
             ctx.hidden.clear()  # absorbed into the context K/V: the raw states are no longer needed
         return state
 
-    def absorb_prompt(self, ctx: DraftContext) -> None:
-        """A new request's prompt into the context K/V at once (`DrafterWorker.absorb_prompt`)."""
-        self._absorb(ctx)
+    def extend(self, ctx: DraftContext, states: torch.Tensor | None) -> DraftModelState:
+        """Extend the request's context K/V by `states` [n, width of the worker's target states]."""
+        state = self.state(ctx)
+        if states is not None:
+            own = states if self.columns is None else states[:, self.columns]  # [n, n_src * H_t]
+            with torch.inference_mode():
+                state.ctx = self.model.extend_context(state.ctx, own, state.positions)
+            state.positions += states.shape[0]
+        return state

@@ -4,10 +4,10 @@ Needs no model; pays off on code, editing and anything that repeats its input.
 """
 from __future__ import annotations
 
-from .proposer import DraftContext
+from .proposer import Draft, DraftContext, StatelessProposer
 
 
-class NgramProposer:
+class NgramProposer(StatelessProposer):
     name = "ngram"
     hidden_layers: list[int] = []
     supports_foresight = False
@@ -16,8 +16,8 @@ class NgramProposer:
         self.n_max = n_max
         self.n_min = n_min
 
-    def propose(self, ctx: DraftContext, max_drafts: int) -> list[int]:
-        return lookup(ctx.tokens, max_drafts, self.n_max, self.n_min)
+    def propose(self, ctx: DraftContext, max_drafts: int) -> Draft:
+        return Draft(lookup(ctx.tokens, max_drafts, self.n_max, self.n_min))
 
 
 def lookup(tokens: list[int], max_drafts: int, n_max: int, n_min: int) -> list[int]:

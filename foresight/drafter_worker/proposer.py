@@ -1,4 +1,11 @@
-"""The proposer interface every drafter implements, and the per-request context it drafts from."""
+"""The proposer contract every drafter implements, and the per-request context it drafts from.
+
+A proposer owns its per-request state (a draft model's context K/V, a foresight drafter's adapter and
+decoder caches): `add_request` when the target starts a request (its prompt's target states are in the
+context), `propose` after each outcome, `foresee` while the target verifies (pipelined), `release` when the
+request ends. `DraftContext` is the round's bookkeeping the worker keeps and every strategy of the request
+reads: committed tokens, target states no proposer has absorbed yet, the block in flight.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,6 +15,26 @@ import torch
 
 from ..protocol.messages import SamplingParams
 from .speculation_cache import CacheEntry
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """A proposal: draft tokens and the proposer's top-1 probability of each (the verify-length
+    controller's acceptance evidence; empty when the proposer gives none, e.g. prompt lookup)."""
+
+    tokens: list[int] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.confidence and len(self.confidence) != len(self.tokens):
+            raise ValueError(f"a draft of {len(self.tokens)} tokens with {len(self.confidence)} confidences")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def prefix(self, n: int) -> "Draft":
+        """The first `n` drafts (a prefix of a block is a valid block)."""
+        return Draft(self.tokens[:n], self.confidence[:n])
 
 
 @dataclass(slots=True)
@@ -21,26 +48,21 @@ class DraftContext:
     # that absorbs them into its own context clears the list (see `pending_hidden`), so a long request does
     # not keep every state twice.
     hidden: list[torch.Tensor] = field(default_factory=list)
-    last_block: list[int] = field(default_factory=list)  # drafts sent for the round being verified
-    # The proposer's top-1 probability of each token of its last proposal (empty: none given); the worker
-    # keeps it aligned with `last_block` once the block is sent.
-    last_confidence: list[float] = field(default_factory=list)
+    last_block: Draft = field(default_factory=Draft)  # the block sent for the round being verified
     round: int = 0
     pipelined: bool = False  # this round's strategy pre-drafts for expected outcomes while the target verifies
     proposer: str = ""  # name of the proposer that drafted `last_block` (its verify-length statistics)
     temperature: float = 1.0  # the request's sampling temperature
     sampling: SamplingParams | None = None  # the request's top-k, top-p and verification rule (foresight scores)
     refinement: str | None = None  # the request's self-refinement mode (StartDraft); None = the drafter's
-    drafter_state: object = None  # the proposer's own per-request state (e.g. cached context K/V)
 
     def absorb(self, accepted: int, bonus: int, hidden: torch.Tensor | None) -> None:
         """Verification accepted the first `accepted` drafts of the last block and committed `bonus`."""
-        self.tokens.extend(self.last_block[:accepted])
+        self.tokens.extend(self.last_block.tokens[:accepted])
         self.tokens.append(bonus)
         if hidden is not None:
             self.hidden.append(hidden)
-        self.last_block = []
-        self.last_confidence = []
+        self.last_block = Draft()
 
     def pending_hidden(self) -> torch.Tensor | None:
         """The target states not yet absorbed, as one tensor [n, n_layers * hidden] (None: none).
@@ -58,7 +80,15 @@ class Proposer(Protocol):
     hidden_layers: list[int]  # target hidden-state indices this proposer needs (empty: none)
     supports_foresight: bool
 
-    def propose(self, ctx: DraftContext, max_drafts: int) -> list[int]: ...
+    def add_request(self, ctx: DraftContext) -> None:
+        """A new request whose prompt is `ctx.tokens` (target states in `ctx.hidden`): set up its state."""
+        ...
+
+    def propose(self, ctx: DraftContext, max_drafts: int) -> Draft: ...
+
+    def release(self, req_id: str) -> None:
+        """The request ended: drop its state."""
+        ...
 
 
 class ForesightProposer(Proposer, Protocol):
@@ -70,3 +100,13 @@ class ForesightProposer(Proposer, Protocol):
         outcomes (k, a) it expects, within about `budget_s` seconds of work (the last verify time). `stop()`
         true (a message waits) ends the work early with what is ready (possibly nothing)."""
         ...
+
+
+class StatelessProposer:
+    """A proposer that keeps nothing per request (prompt lookup, scripted test proposers)."""
+
+    def add_request(self, ctx: DraftContext) -> None:
+        pass
+
+    def release(self, req_id: str) -> None:
+        pass

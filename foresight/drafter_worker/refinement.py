@@ -19,18 +19,15 @@ proposal the target verifies, so the output is lossless whatever a refresh decid
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from ..models.draft_model import ContextKV, DraftModel
 from .budget import StepCosts
-from .draft_model import ContextKV, DraftModel
 
-if TYPE_CHECKING:
-    from .foresight import ForesightDrafter
-
-__all__ = ["MODES", "Refiner", "row_contexts"]
+__all__ = ["MODES", "Refiner", "RowDrafter", "row_contexts"]
 
 MODES = ("none", "refresh", "anchor")
 
@@ -58,19 +55,32 @@ def row_contexts(model: DraftModel, base: ContextKV | None, n: int, states: torc
     return out
 
 
+class RowDrafter(Protocol):
+    """What refinement needs of a foresight drafter, bound to one request's true context (positions
+    0..n-1; the block under verification starts at n)."""
+
+    def refresh_rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of tokens [rows, L] at positions n..n+L-1 (right-padded) -> the decoder's logits
+        [rows, L, vocab] and the predicted draft-model states [rows, L, n_src*H]."""
+        ...
+
+    def draft_rows(self, states: torch.Tensor, lengths: list[int], inputs: torch.Tensor) -> torch.Tensor:
+        """One draft pass per row over inputs [rows, T] (anchor + Jacobi inputs), row b's context being the
+        true context + states[b, :lengths[b]] (states [rows, T', n_src*H]) -> drafts [rows, T]."""
+        ...
+
+
 class Refiner:
     """Refines the B outcome drafts of one foresight round; `drafts`, `fixed` and the counts are per row."""
 
-    def __init__(self, drafter: "ForesightDrafter", state, n: int, y0: int, block: list[int],
-                 outcomes: list[tuple[int, int]], drafts: torch.Tensor, mode: str, passes: int = 0,
-                 confidence: torch.Tensor | None = None):
-        """drafts [B, m]: the rows' current drafts (after J0 and `passes` plain passes); state: the
-        drafter's per-request state (true contexts of the draft model, adapter and decoder); confidence
-        [B, m]: the draft model's top-1 probability of each draft (the verify-length controller's
-        evidence), dropped for a row once refinement edits it."""
+    def __init__(self, rows: RowDrafter, y0: int, block: list[int], outcomes: list[tuple[int, int]],
+                 drafts: torch.Tensor, mode: str, passes: int = 0, confidence: torch.Tensor | None = None):
+        """drafts [B, m]: the rows' current drafts (after J0 and `passes` plain passes); rows: the drafter
+        over the request's true context; confidence [B, m]: the draft model's top-1 probability of each
+        draft (the verify-length controller's evidence), dropped for a row once refinement edits it."""
         if mode not in MODES:
             raise ValueError(f"refinement must be one of {', '.join(MODES)} (got {mode!r})")
-        self.drafter, self.state, self.n, self.y0, self.block = drafter, state, n, y0, list(block)
+        self.rows, self.y0, self.block = rows, y0, list(block)
         self.outcomes, self.mode = list(outcomes), mode
         self.drafts = drafts.detach().to("cpu", torch.long).clone()  # [B, m] full-vocab ids
         b = self.drafts.shape[0]
@@ -122,9 +132,8 @@ class Refiner:
         for j, (b, head) in enumerate(zip(rows, heads)):
             tokens[j, :len(head)] = torch.tensor(head)
             tokens[j, len(head):len(head) + m] = self.drafts[b]
-        pred, logits, dec_states = self.drafter.predict_rows(self.state, self.n, tokens)  # [rows, L, ...]
+        logits, states = self.rows.refresh_rows(tokens)  # [rows, L, vocab], [rows, L, n_src*H]
         guesses = logits.argmax(-1).cpu()  # [rows, L]: position p guesses the token at p+1
-        states = self.drafter.draft_states(pred, dec_states)  # [rows, L, n_src*H]
         for j, (b, head) in enumerate(zip(rows, heads)):
             self.states[b] = states[j, :len(head) + m]
             self.refreshes[b] += 1
@@ -149,7 +158,6 @@ class Refiner:
     @torch.inference_mode()
     def redraft(self, rows: list[int]) -> None:
         """One pass over each row's positions after its last fixed one (all rows refreshed before)."""
-        model = self.drafter.model
         fixed = [self.fixed[b] for b in rows]
         tails = [self.width - f for f in fixed]
         inputs = torch.zeros(len(rows), max(tails), dtype=torch.long)  # [rows, T]: anchor + inputs, right-padded
@@ -159,8 +167,7 @@ class Refiner:
             inputs[j, 1:tails[j]] = x[f:self.width - 1]
         states = pad_sequence([self.states[b] for b in rows], batch_first=True)  # [rows, k_max+2+m, n_src*H]
         lengths = [self.outcomes[b][0] + 1 + f for b, f in zip(rows, fixed)]  # positions n..n+k+f
-        contexts = row_contexts(model, self.state.draft, self.n, states, lengths)
-        out = model.draft_pass(contexts, inputs).cpu()  # [rows, T]
+        out = self.rows.draft_rows(states, lengths, inputs).cpu()  # [rows, T]
         for j, (b, f) in enumerate(zip(rows, fixed)):
             self.drafts[b, f:] = out[j, :tails[j]]
             self.passes[b] += 1

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from ..config import EngineConfig
 from .ngram import NgramProposer, lookup_match
-from .proposer import DraftContext, Proposer
+from .proposer import Draft, DraftContext, Proposer
 
 
 class HybridProposer:
     """Prompt lookup when the context ends in an n-gram of at least `min_match` tokens seen before (what
-    follows it is then usually right, and costs nothing to draft), else the draft model."""
+    follows it is then usually right, and costs nothing to draft), else the draft model. A view over the
+    draft model's proposer: the per-request state is the model's (the worker adds and releases requests
+    on the primary proposer only)."""
 
     name = "hybrid"
     supports_foresight = False
@@ -30,11 +32,16 @@ class HybridProposer:
         self.min_match = max(min_match, ngram.n_min)
         self.hidden_layers = list(model.hidden_layers)
 
-    def propose(self, ctx: DraftContext, max_drafts: int) -> list[int]:
+    def add_request(self, ctx: DraftContext) -> None:
+        pass  # the model's state: see the class docstring
+
+    def release(self, req_id: str) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext, max_drafts: int) -> Draft:
         follow, n = lookup_match(ctx.tokens, max_drafts, self.ngram.n_max, self.min_match)
         if n >= self.min_match:
-            ctx.last_confidence = []  # prompt lookup gives no confidences
-            return follow
+            return Draft(follow)  # prompt lookup gives no confidences
         return self.model.propose(ctx, max_drafts)
 
 

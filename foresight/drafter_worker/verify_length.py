@@ -6,8 +6,8 @@ So each round the drafter sends the prefix of its block that maximises committed
 
     L* = argmax_L (1 + E[accepted | L]) / (fixed_s + cost(L)),   E[accepted | L] = sum_{j<=L} prod_{i<=j} alpha_i
 
-    cost(L)   the target's verify seconds for a block of L drafts (Outcome.verify_s), an EMA per length;
-              unseen lengths from a least-squares line a + b*L over the measured ones
+    cost(L)   the target's verify seconds for a block of L drafts (Outcome.verify_s), by length
+              (`costs.CostBySize`: a running estimate per length, a line for unseen lengths)
     alpha_i   P(draft i accepted | drafts 1..i-1 accepted): the proposer's confidence in draft i through
               an online calibration, or (no confidences, e.g. n-gram) a per-position rate learned online
     fixed_s   the part of the round that does not depend on L: the exposed drafting time of this block
@@ -29,9 +29,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-COST_EMA = 0.2  # weight of the newest verify time of a length
+from .costs import CostBySize
+
 ACCEPT_DECAY = 0.99  # per observed round: acceptance statistics forget over ~100 rounds
-PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior (acceptance rates and measured costs)
+PRIOR_WEIGHT = 2.0  # pseudo-observations behind each acceptance prior
 CONF_BINS = 10  # calibration bins over the confidence range [0, 1]
 SKIP_AFTER = 3  # consecutive choices of L = 0 after which the drafter stops drafting
 DRAFT_MARGIN = 2  # drafts drafted beyond the longest recently chosen length (room for confident blocks)
@@ -56,59 +57,6 @@ def best_length(alphas: Sequence[float], costs: Sequence[float], fixed_s: float 
         if rate > best_rate:
             best, best_rate = length, rate
     return best
-
-
-def fit_line(points: dict[int, float]) -> tuple[float, float]:
-    """Least-squares (a, b) of seconds = a + b * L over {L: seconds}; flat with one length, and flat when
-    the slope comes out negative (a longer verify is never cheaper: that is noise)."""
-    xs = list(points)
-    mean_x = sum(xs) / len(xs)
-    mean_y = sum(points.values()) / len(xs)
-    var = sum((x - mean_x) ** 2 for x in xs)
-    if var == 0:
-        return mean_y, 0.0
-    slope = sum((x - mean_x) * (points[x] - mean_y) for x in xs) / var
-    if slope < 0:
-        return mean_y, 0.0
-    return mean_y - slope * mean_x, slope
-
-
-@dataclass(slots=True)
-class CostBySize:
-    """Seconds of one piece of work by its size: the target's verify by block length (drafts sent), the
-    drafter's batched pass or refresh by rows in the batch (`budget.StepCosts`)."""
-
-    seconds: dict[int, float] = field(default_factory=dict)  # size -> EMA of seconds
-    counts: dict[int, int] = field(default_factory=dict)  # length -> measurements
-
-    def observe(self, length: int, seconds: float) -> None:
-        old = self.seconds.get(length)
-        self.seconds[length] = seconds if old is None else old + COST_EMA * (seconds - old)
-        self.counts[length] = self.counts.get(length, 0) + 1
-
-    def measured(self, min_length: int = 0) -> int:
-        """How many distinct lengths >= min_length have a measurement."""
-        return sum(1 for length in self.seconds if length >= min_length)
-
-    def costs(self, n: int) -> list[float]:
-        """Estimated seconds for L = 0..n. A measured length: its EMA, shrunk towards the line by its count
-        (one noisy measurement does not rule a length out for good). Unseen: the line, never below the
-        cheapest measurement (extrapolating a steep line down to short blocks could go to zero)."""
-        if not self.seconds:
-            return [1.0] * (n + 1)
-        # The line is fitted over L >= 1 only: L = 0 is a one-position forward, which on CPU runs another
-        # kernel regime (GEMV, not GEMM) and would bend the line; it keeps its own measurement.
-        blocks = {length: s for length, s in self.seconds.items() if length > 0} or self.seconds
-        a, b = fit_line(blocks)
-        floor = min(blocks.values())
-        out = []
-        for length in range(n + 1):
-            line = max(a + b * length, floor)
-            if length in self.seconds:
-                c = self.counts[length]
-                line = (c * self.seconds[length] + PRIOR_WEIGHT * line) / (c + PRIOR_WEIGHT)
-            out.append(line)
-        return out
 
 
 def _posterior(accepted: float, tried: float, prior: float) -> float:

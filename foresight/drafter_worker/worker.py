@@ -30,15 +30,15 @@ from ..protocol.messages import DraftBlock, Outcome, ReleaseDraft, Shutdown, Sta
 from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
 from ..protocol.sockets import MessageSocket
 from .ngram import NgramProposer
-from .proposer import DraftContext, Proposer
+from .proposer import Draft, DraftContext, Proposer
 from .speculation_cache import SpeculationCache
 from .strategies import auto_strategies, offered_strategies
-from .verify_length import CostBySize, VerifyLengthController
+from .costs import CostBySize, RunningCost
+from .verify_length import VerifyLengthController
 
 log = logging.getLogger("foresight.drafter")
 
 IDLE_POLL_MS = 100
-VERIFY_EMA = 0.2  # weight of the newest verify time in the foresight budget estimate
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,7 +89,7 @@ class DrafterWorker:
         self.contexts: dict[str, DraftContext] = {}
         self.cache = SpeculationCache()
         self.jobs: deque[ForesightJob] = deque()
-        self.verify_s = 0.0  # running estimate of the target's verify time: the foresight budget
+        self.verify = RunningCost()  # the target's verify time of our blocks: the foresight budget
         # One verify-length controller per proposer (acceptance is the proposer's), sharing the target's
         # measured verify cost by block length.
         cost = CostBySize()
@@ -129,17 +129,15 @@ class DrafterWorker:
             req_id=msg.req_id, tokens=list(msg.prompt_ids), seed=msg.seed, hidden=hidden,
             temperature=msg.temperature, refinement=msg.refinement, proposer=self.proposer.name,
             sampling=msg.sampling)
-        self.absorb_prompt(ctx)
+        self.add_request(ctx)
 
-    def absorb_prompt(self, ctx: DraftContext) -> None:
-        """Take the prompt's target states into the draft model's context now, not in the first round that
-        asks for a block: in mode auto that round may come late, and the prompt's cost is not a round's
-        (it would make the strategy that pays it look slow)."""
-        absorb = getattr(self.proposer, "absorb_prompt", None)
-        if absorb is None or not ctx.hidden:
-            return
+    def add_request(self, ctx: DraftContext) -> None:
+        """The primary proposer (every strategy drafts through it) sets up the request now and takes the
+        prompt's target states into its context, not in the first round that asks for a block: in mode auto
+        that round may come late, and the prompt's cost is not a round's (it would make the strategy that
+        pays it look slow)."""
         try:
-            absorb(ctx)
+            self.proposer.add_request(ctx)
         except Exception:  # the first drafting round absorbs them instead (and reports a failure there)
             log.exception("request %s: absorbing the prompt's target states failed", ctx.req_id)
 
@@ -148,12 +146,13 @@ class DrafterWorker:
         ctx = self.contexts.get(msg.req_id)
         if ctx is None:
             return  # released meanwhile
-        if msg.verify_s > 0 and ctx.last_block and msg.drafts is None:  # a verify of our block, not a plain step
-            self.verify_s += VERIFY_EMA * (msg.verify_s - self.verify_s) if self.verify_s else msg.verify_s
+        if msg.verify_s > 0 and len(ctx.last_block) and msg.drafts is None:  # a verify of our block, not a plain step
+            self.verify.observe(msg.verify_s)
         if msg.drafts is not None:  # the target drafted that block itself (prompt lookup): not ours to learn from
-            ctx.last_block, ctx.last_confidence = list(msg.drafts), []
+            ctx.last_block = Draft(list(msg.drafts))
         elif self.lengths is not None:  # before absorb: last_block is the block that was verified
-            self.lengths[ctx.proposer].observe(len(ctx.last_block), msg.accepted, msg.verify_s, ctx.last_confidence)
+            block = ctx.last_block
+            self.lengths[ctx.proposer].observe(len(block), msg.accepted, msg.verify_s, block.confidence)
         ctx.absorb(msg.accepted, msg.bonus, msg.hidden)
         ctx.round = msg.round
         proposer = self.strategies.get(msg.strategy)
@@ -164,43 +163,37 @@ class DrafterWorker:
         t0 = time.perf_counter()
         entry = self.cache.lookup(msg.req_id, msg.round, msg.accepted, msg.bonus) if ctx.pipelined else None
         if entry is not None:
-            tokens, confidence = list(entry.tokens[: msg.max_drafts]), list(entry.confidence[: msg.max_drafts])
+            aligned = len(entry.confidence) == len(entry.tokens)  # refined rows carry none
+            draft = Draft(list(entry.tokens), list(entry.confidence) if aligned else []).prefix(msg.max_drafts)
         else:
-            tokens, confidence = self.propose(proposer, ctx, self.draft_length(ctx, msg.max_drafts, msg.round))
-        tokens, confidence = self.verify_prefix(ctx, tokens, confidence, time.perf_counter() - t0)
-        ctx.last_block, ctx.last_confidence = tokens, confidence
+            draft = self.propose(proposer, ctx, self.draft_length(ctx, msg.max_drafts, msg.round))
+        ctx.last_block = draft = self.verify_prefix(ctx, draft, time.perf_counter() - t0)
         self.send_to_target.send(DraftBlock(
-            req_id=msg.req_id, round=msg.round, tokens=tokens,
+            req_id=msg.req_id, round=msg.round, tokens=draft.tokens,
             cache_hit=(entry is not None) if ctx.pipelined else None,
             passes=entry.passes if entry else 0, refreshes=entry.refreshes if entry else 0,
             draft_s=time.perf_counter() - t0))
-        if ctx.pipelined and tokens:
+        if ctx.pipelined and len(draft):
             self.jobs.append(ForesightJob(msg.req_id, msg.round, msg.max_drafts))
 
-    def propose(self, proposer: Proposer, ctx: DraftContext, max_drafts: int) -> tuple[list[int], list[float]]:
-        """A fresh block and the proposer's confidence in each token (empty: it gives none)."""
-        ctx.last_confidence = []
+    def propose(self, proposer: Proposer, ctx: DraftContext, max_drafts: int) -> Draft:
+        """A fresh block with the proposer's confidence in each token (empty: it gives none)."""
         try:
-            tokens = proposer.propose(ctx, max_drafts)[:max_drafts]
+            return proposer.propose(ctx, max_drafts).prefix(max_drafts)
         except Exception:  # a failing proposal costs this round its drafts, never the request
             log.exception("request %s: drafting failed; this round goes without drafts", ctx.req_id)
-            return [], []
-        return tokens, ctx.last_confidence[: len(tokens)]
+            return Draft()
 
     def draft_length(self, ctx: DraftContext, max_drafts: int, round_: int) -> int:
         """Drafts worth drafting for request round `round_` (all without the verify-length controller)."""
         return max_drafts if self.lengths is None else self.lengths[ctx.proposer].draft_length(max_drafts, round_)
 
-    def verify_prefix(self, ctx: DraftContext, tokens: list[int], confidence: list[float],
-                      draft_s: float) -> tuple[list[int], list[float]]:
+    def verify_prefix(self, ctx: DraftContext, draft: Draft, draft_s: float) -> Draft:
         """The prefix of the block worth verifying. `draft_s`: drafting time the target waited for, paid
         whatever the length."""
-        if len(confidence) != len(tokens):
-            confidence = []  # misaligned: treat as no confidence
-        if self.lengths is None or not tokens:
-            return tokens, confidence
-        n = self.lengths[ctx.proposer].choose(len(tokens), confidence, ctx.round, fixed_s=draft_s)
-        return tokens[:n], confidence[:n]
+        if self.lengths is None or not len(draft):
+            return draft
+        return draft.prefix(self.lengths[ctx.proposer].choose(len(draft), draft.confidence, ctx.round, fixed_s=draft_s))
 
     def message_waiting(self) -> bool:
         """A message from the target waits: foresight stops between stages for it (`foresee`'s `stop`)."""
@@ -214,7 +207,8 @@ class DrafterWorker:
             return  # released, or the target was faster than us: the job is stale
         try:
             max_drafts = self.draft_length(ctx, job.max_drafts, job.round + 1)  # the entries answer round+1
-            entries = self.proposer.foresee(ctx, ctx.last_block, max_drafts, self.verify_s, self.message_waiting)
+            entries = self.proposer.foresee(ctx, ctx.last_block.tokens, max_drafts, self.verify.seconds,
+                                            self.message_waiting)
         except Exception:
             log.exception("request %s: foresight drafting failed; the next round misses the cache", job.req_id)
             return
@@ -223,6 +217,7 @@ class DrafterWorker:
     def on_release(self, msg: ReleaseDraft) -> None:
         self.contexts.pop(msg.req_id, None)
         self.cache.drop(msg.req_id)
+        self.proposer.release(msg.req_id)
 
     def on_shutdown(self, msg: Shutdown) -> None:
         self.stopping = True

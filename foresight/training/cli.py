@@ -196,7 +196,7 @@ def label_streams(labeller, data, tokenizer, pick, seed: int) -> None:
 def train_drafter(args: argparse.Namespace) -> int:
     import torch
 
-    from ..drafter_worker.draft_model import default_target_layers
+    from ..models.draft_model import default_target_layers
     from ..target_worker.loading import cache_root, load_target, load_tokenizer, resolve_target
     from .draft_init import validate_init
     from .dataset import LabelledData

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..drafter_worker.draft_model import WEIGHTS_FILE, DraftModel, is_checkpoint
+from ..models.draft_model import WEIGHTS_FILE, DraftModel, is_checkpoint
 
 # draft layer attribute -> target decoder-layer attribute path (Llama / Qwen / Mistral naming)
 TARGET_LAYER_MAP = {

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..drafter_worker.ngram import NgramProposer
-from ..drafter_worker.proposer import DraftContext
+from ..drafter_worker.proposer import Draft, DraftContext
 from ..target_worker.runner import TargetRunner
 from ..target_worker.verification import verify
 from ..target_worker.worker import drafter_seed, eos_ids
@@ -55,11 +55,22 @@ def speculate(runner: TargetRunner, proposer, prompt: list[int], max_tokens: int
     ctx = DraftContext(req_id="eval", tokens=list(prompt), seed=drafter_seed(gen),
                        hidden=[res.hidden] if res.hidden is not None else [])
     ctx.absorb(0, first, None)
+    proposer.add_request(ctx)
+    try:
+        return _round_loop(runner, proposer, ctx, cache, gen, first, max_tokens, temperature, block_size, eos,
+                           on_verified)
+    finally:
+        proposer.release(ctx.req_id)
+
+
+def _round_loop(runner: TargetRunner, proposer, ctx: DraftContext, cache, gen: torch.Generator, first: int,
+                max_tokens: int, temperature: float, block_size: int, eos: list[int], on_verified) -> dict:
     out, accepted, draft_s, verify_s = [first], [], 0.0, 0.0
     while len(out) < max_tokens and out[-1] not in eos:
         n = min(block_size - 1, max_tokens - len(out) - 1)
         t0 = time.perf_counter()
-        draft = proposer.propose(ctx, n)[:n] if n > 0 else []
+        block = proposer.propose(ctx, n).prefix(n) if n > 0 else Draft()
+        draft = block.tokens
         t1 = time.perf_counter()
         result = runner.verify(cache, ctx.tokens[-1], draft)
         verdict = verify(result.logits, draft, temperature=temperature, generator=gen)
@@ -68,7 +79,7 @@ def speculate(runner: TargetRunner, proposer, prompt: list[int], max_tokens: int
         draft_s += t1 - t0
         if on_verified is not None and draft:
             on_verified(ctx, draft, result, verdict)
-        ctx.last_block = draft
+        ctx.last_block = block
         hidden = result.hidden[:verdict.accepted + 1] if result.hidden is not None else None
         ctx.absorb(verdict.accepted, verdict.token, hidden)
         accepted.append(verdict.accepted)

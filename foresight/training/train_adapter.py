@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..drafter_worker.adapter import Adapter, AdapterConfig, default_adapter_indices
+from ..models.adapter import Adapter, AdapterConfig, default_adapter_indices
 from .dataset import LabelledData, sample_anchors
 from .run_files import STATE_FILE, open_run, save_state, tail_mean, write_report
 from .train_drafter import lr_at

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..drafter_worker.draft_model import DraftConfig, DraftModel, SharedWeights
+from ..models.draft_model import DraftConfig, DraftModel, SharedWeights
 from .dataset import BlockBatch, LabelledData, choose_vocab_subset, sample_blocks
 from .draft_init import initialise
 from .run_files import STATE_FILE, open_run, save_state, tail_mean, write_report

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from foresight.drafter_worker.proposer import Draft, StatelessProposer
 from foresight.drafter_worker.speculation_cache import CacheEntry
 
 
-class OracleForesight:
+class OracleForesight(StatelessProposer):
     name = "oracle"
     hidden_layers: list[int] = []
     supports_foresight = True
@@ -29,8 +30,8 @@ class OracleForesight:
             ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
         return ids[len(tokens):]
 
-    def propose(self, ctx, max_drafts: int) -> list[int]:
-        return self._corrupt(self.greedy(ctx.tokens, max_drafts))
+    def propose(self, ctx, max_drafts: int) -> Draft:
+        return Draft(self._corrupt(self.greedy(ctx.tokens, max_drafts)))
 
     def _corrupt(self, tokens: list[int]) -> list[int]:
         return [(t + 1) % self.vocab if i % 3 == 2 else t for i, t in enumerate(tokens)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from foresight.drafter_worker.adapter import Adapter, default_adapter_indices, is_adapter_checkpoint
+from foresight.models.adapter import Adapter, default_adapter_indices, is_adapter_checkpoint
 from foresight.training.dataset import LabelledData
 from foresight.training.labelling import DataDir, LabelSettings, Labeller, label_stream
 from foresight.training.train_adapter import (AdapterTrainSettings, adapter_loss, columns, estimate_scales,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from foresight.config import EngineConfig
+from foresight.drafter_worker.proposer import Draft, StatelessProposer
 from foresight.target_worker import strategy_choice
 from foresight.target_worker.strategy_choice import StrategyChooser
 from support.inprocess import InProcessEngine
@@ -12,7 +13,7 @@ from support.tiny_models import plain_greedy, tiny_model
 from test_foresight import PROMPTS, make_drafter
 
 
-class ScriptedProposer:
+class ScriptedProposer(StatelessProposer):
     """Drafts the true greedy continuation (set by the test) while `paying`; afterwards wrong tokens, slowly:
     a draft model that stopped fitting the workload."""
 
@@ -26,13 +27,13 @@ class ScriptedProposer:
         self.vocab = vocab
         self.delay_s = delay_s
 
-    def propose(self, ctx, max_drafts: int) -> list[int]:
+    def propose(self, ctx, max_drafts: int) -> Draft:
         n = len(ctx.tokens)
         right = self.truth[n:n + max_drafts]
         if self.paying:
-            return right
+            return Draft(right)
         time.sleep(self.delay_s)
-        return [(t + 1) % self.vocab for t in right]
+        return Draft([(t + 1) % self.vocab for t in right])
 
 
 def served_rounds(results: dict) -> dict[str, int]:
@@ -133,7 +134,7 @@ def test_the_drafter_absorbs_a_prompt_when_the_request_starts():
     from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
     from foresight.drafter_worker.worker import DrafterWorker
     from foresight.protocol.addresses import WorkerAddresses
-    from foresight.protocol.messages import StartDraft
+    from foresight.protocol.messages import ReleaseDraft, StartDraft
     from test_foresight import make_draft_model, true_states
 
     model = tiny_model("llama")
@@ -145,7 +146,9 @@ def test_the_drafter_absorbs_a_prompt_when_the_request_starts():
         hidden = true_states(model, prompt, proposer.hidden_layers)  # [prompt_len, n_layers * hidden]
         worker.on_start(StartDraft(req_id="r", prompt_ids=prompt, seed=0, hidden=hidden))
         ctx = worker.contexts["r"]
-        assert ctx.hidden == [] and ctx.drafter_state.positions == len(prompt)
+        assert ctx.hidden == [] and proposer.state(ctx).positions == len(prompt)
+        worker.on_release(ReleaseDraft(req_id="r"))
+        assert "r" not in worker.contexts and proposer.requests == {}
     finally:
         zctx.destroy(linger=0)
         addrs.remove()

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from foresight.drafter_worker.draft_model import DraftConfig, DraftModel, SharedWeights
+from foresight.models.draft_model import DraftConfig, DraftModel, SharedWeights
 from foresight.training.chat_data import REQUESTS_FILE, chat_requests, label_chat
 from foresight.training.corpus import Decontaminator, chat_eval_texts
 from foresight.training.draft_init import initialise, validate_init

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foresight.drafter_worker.decoder import ForesightDecoder
+from foresight.models.decoder import ForesightDecoder
 from support.tiny_models import VOCAB, tiny_config, tiny_model
 
 torch.set_num_threads(1)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from foresight.config import ConfigError, EngineConfig
-from foresight.drafter_worker.draft_model import DraftConfig, DraftModel, SharedWeights, default_target_layers, is_checkpoint
+from foresight.models.draft_model import DraftConfig, DraftModel, SharedWeights, default_target_layers, is_checkpoint
 from foresight.drafter_worker.jetspec_proposer import JetSpecProposer, resolve_drafter_path
-from foresight.drafter_worker.proposer import DraftContext
+from foresight.drafter_worker.proposer import Draft, DraftContext
 from support.inprocess import InProcessEngine
 from support.tiny_models import VOCAB, plain_greedy, save_tiny_model, tiny_model
 
@@ -169,10 +169,12 @@ def test_proposer_absorbs_rounds_incrementally(target):
     ctx.last_block = first
     ctx.absorb(2, 40, states[7:10])  # previous anchor + 2 accepted drafts
     proposer.propose(ctx, 7)
-    assert ctx.drafter_state.positions == 10 == len(ctx.tokens) - 1
+    assert proposer.state(ctx).positions == 10 == len(ctx.tokens) - 1
     fresh = DraftContext(req_id="s", tokens=list(ctx.tokens), seed=7, hidden=[states[:10]])
-    assert proposer.propose(fresh, 7) is not None  # whole-history encoding works too
-    assert proposer.propose(ctx, 0) == []
+    assert len(proposer.propose(fresh, 7)) == 7  # whole-history encoding works too
+    assert proposer.propose(ctx, 0) == Draft()
+    proposer.release("r")
+    assert set(proposer.requests) == {"s"}
 
 
 def test_resolve_drafter_path(tmp_path, target, monkeypatch):

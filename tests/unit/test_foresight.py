@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from foresight.config import EngineConfig
-from foresight.drafter_worker.decoder import ForesightDecoder
-from foresight.drafter_worker.draft_model import DraftConfig, DraftModel, SharedWeights
+from foresight.models.decoder import ForesightDecoder
+from foresight.models.draft_model import DraftConfig, DraftModel, SharedWeights
 from foresight.drafter_worker.foresight import ForesightDrafter
 from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
-from foresight.drafter_worker.proposer import DraftContext
+from foresight.drafter_worker.proposer import Draft, DraftContext
 from support.inprocess import InProcessEngine
 from support.oracle_adapter import OracleAdapter
 from support.tiny_models import VOCAB, plain_greedy, tiny_model
@@ -107,11 +107,11 @@ def test_pipelined_miss_drafts_before_the_adapter_and_decoder_absorb(target, seq
     seq, p = sequences[0], len(PROMPTS[0])
     truth = true_states(target, seq, drafter.hidden_layers)
     ctx = DraftContext(req_id="r", tokens=seq[:p + 1], seed=0, hidden=[truth[:p]], pipelined=True)
-    block = drafter.propose(ctx, GAMMA)
-    state = ctx.drafter_state
-    assert (state.positions, state.scored, len(state.unscored)) == (p, 0, 1)
+    block = drafter.propose(ctx, GAMMA).tokens
+    state = drafter.state(ctx)
+    assert (state.model.positions, state.scored, len(state.unscored)) == (p, 0, 1)
     drafter.foresee(ctx, block, GAMMA, budget_s=0.0)
-    assert (state.positions, state.scored, state.unscored) == (p, p, [])
+    assert (state.model.positions, state.scored, state.unscored) == (p, p, [])
 
 
 def test_plan_uses_the_caps_and_the_measured_costs(target, sequences):
@@ -119,7 +119,7 @@ def test_plan_uses_the_caps_and_the_measured_costs(target, sequences):
     drafter = make_drafter(target, sequences, cache_size=6, foresight_passes=3, refreshes=2)
     assert (drafter.plan(0.0, "anchor").outcomes, drafter.plan(0.0, "anchor").passes) == (6, 3)
     assert drafter.plan(0.0, "anchor").refreshes == 2 and drafter.plan(0.0, "none").refreshes == 0
-    drafter.costs.predict_s = 0.003
+    drafter.costs.predict.observe(0.003)
     for rows in range(1, 7):  # one batched pass: 1 ms per row
         drafter.costs.passes.observe(rows, 0.001 * rows)
     assert drafter.plan(0.010, "none").outcomes == 6 and drafter.plan(0.010, "none").passes == 0  # (10-3)/1 ms
@@ -148,7 +148,7 @@ def test_perfect_foresight_names_and_predrafts_the_realised_outcome(target, sequ
         if c < GAMMA:
             block[c] = (block[c] + 1) % VOCAB
         k, a = greedy_outcome(target, ctx.tokens, block)
-        ctx.last_block = block
+        ctx.last_block = Draft(block)
         entries = drafter.foresee(ctx, block, GAMMA, budget_s=0.0)
         costs.append(drafter.stats.total_s)
         assert len(entries) == 4 and len({(e.accepted, e.bonus) for e in entries}) == 4
@@ -156,7 +156,7 @@ def test_perfect_foresight_names_and_predrafts_the_realised_outcome(target, sequ
         assert all(len(e.tokens) == GAMMA and e.passes == GAMMA for e in entries)
         ctx.absorb(k, a, truth[n:n + k + 1])  # the target sends the anchor's and accepted drafts' states
         assert ctx.tokens == seq[:len(ctx.tokens)]
-        assert list(entries[0].tokens) == drafter.propose(ctx, GAMMA)  # sync mode: J0 + GAMMA passes
+        assert list(entries[0].tokens) == drafter.propose(ctx, GAMMA).tokens  # sync mode: J0 + GAMMA passes
         ks.append(k)
     assert len(ks) >= 6 and len(set(ks)) >= 4  # several different outcomes were foreseen
     assert drafter.adapter.predict_calls == len(ks)
@@ -214,8 +214,8 @@ def test_make_proposer_picks_foresight_when_an_adapter_ships_beside_the_drafter(
     import dataclasses
 
     from foresight.config import ConfigError, EngineConfig
-    from foresight.drafter_worker.adapter import Adapter
-    from foresight.drafter_worker.draft_model import DraftConfig, DraftModel, SharedWeights
+    from foresight.models.adapter import Adapter
+    from foresight.models.draft_model import DraftConfig, DraftModel, SharedWeights
     from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
     from foresight.drafter_worker.worker import make_proposer
     from support.tiny_models import save_tiny_model, tiny_model

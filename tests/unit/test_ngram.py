@@ -1,5 +1,5 @@
 from foresight.drafter_worker.ngram import NgramProposer, lookup, lookup_match
-from foresight.drafter_worker.proposer import DraftContext
+from foresight.drafter_worker.proposer import Draft, DraftContext, StatelessProposer
 from foresight.drafter_worker.strategies import HybridProposer
 
 
@@ -29,16 +29,15 @@ def test_inside_a_run_an_earlier_occurrence_gives_the_whole_continuation():
 
 
 def test_hybrid_drafts_by_lookup_on_a_long_match_else_by_the_model():
-    class Model:
+    class Model(StatelessProposer):
         name, hidden_layers, supports_foresight = "m", [1], False
 
         def propose(self, ctx, max_drafts):
-            ctx.last_confidence = [0.9] * max_drafts
-            return [99] * max_drafts
+            return Draft([99] * max_drafts, [0.9] * max_drafts)
 
     hybrid = HybridProposer(Model(), NgramProposer(4, 2), min_match=3)
     repeat = DraftContext(req_id="r", tokens=[1, 2, 3, 4, 8, 1, 2, 3], seed=0)
-    assert hybrid.propose(repeat, 2) == [4, 8] and repeat.last_confidence == []
+    assert hybrid.propose(repeat, 2) == Draft([4, 8])  # no confidences from a lookup
     short = DraftContext(req_id="s", tokens=[1, 2, 3, 4, 8, 2, 3], seed=0)  # only a 2-gram repeats
-    assert hybrid.propose(short, 2) == [99, 99] and short.last_confidence == [0.9, 0.9]
+    assert hybrid.propose(short, 2) == Draft([99, 99], [0.9, 0.9])
     assert hybrid.hidden_layers == [1]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from foresight.drafter_worker.decoder import ForesightDecoder
+from foresight.models.decoder import ForesightDecoder
 from foresight.drafter_worker.outcomes import hit_probability, outcome_scores, select_outcomes
 from foresight.target_worker.sampling import target_probs
 from foresight.target_worker.verification import in_nucleus, verify, verify_batch

@@ -8,6 +8,7 @@ stay lossless.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ import torch
 from foresight.bench.harness import Run, request_for_run, refinement_runs, refinement_section, ModeTally
 from foresight.config import ConfigError, EngineConfig, add_engine_args, engine_from_args
 from foresight.drafter_worker.budget import Plan, StepCosts, plan_round
-from foresight.drafter_worker.draft_model import ContextKV, draw_noise
+from foresight.drafter_worker.costs import RunningCost
+from foresight.models.draft_model import ContextKV, draw_noise
 from foresight.drafter_worker.proposer import DraftContext
 from foresight.drafter_worker.refinement import MODES, Refiner
 from foresight.protocol import decode, encode
@@ -42,11 +44,14 @@ def sequences(target):
     return [p + plain_greedy(target, p, NEW, eos=target.config.eos_token_id) for p in PROMPTS]
 
 
+REQUEST_IDS = itertools.count()
+
+
 def start(target, sequences, drafter, cls=DraftContext, **kw):
-    """A request after its prompt and one committed token: (ctx, state, block under verification)."""
+    """A new request after its prompt and one committed token: (ctx, state, block under verification)."""
     seq, p = sequences[0], len(PROMPTS[0])
     truth = true_states(target, seq, drafter.hidden_layers)
-    ctx = cls(req_id="r", tokens=seq[:p + 1], seed=3, hidden=[truth[:p]], **kw)
+    ctx = cls(req_id=f"r{next(REQUEST_IDS)}", tokens=seq[:p + 1], seed=3, hidden=[truth[:p]], **kw)
     block = seq[p + 1:p + 1 + GAMMA]
     block[2] = (block[2] + 1) % VOCAB  # verification of this block ends at k = 2
     return ctx, drafter.absorb(ctx), block
@@ -64,7 +69,7 @@ def target_guesses(target, tokens: list[int]) -> list[int]:
 def costs_of(predict: float, per_row_pass: float, per_row_refresh: float | None = None, fixed: float = 0.0,
              rows: int = 6) -> StepCosts:
     """Costs measured at batch sizes 1..rows: pass(B) = fixed + B * per_row_pass (refresh likewise)."""
-    costs = StepCosts(predict_s=predict)
+    costs = StepCosts(predict=RunningCost(predict))
     for n in range(1, rows + 1):
         costs.passes.observe(n, fixed + n * per_row_pass)
         if per_row_refresh is not None:
@@ -141,7 +146,7 @@ def test_refresh_finds_the_first_disagreement_with_the_target(target, sequences,
     other = torch.randint(0, VOCAB, (M,), generator=g).tolist()
     outcomes = [(k, a), (k, a), (0, (block[0] + 3) % VOCAB)]
     drafts = torch.tensor([wrong, truth, other])
-    ref = Refiner(drafter, state, n, ctx.tokens[-1], block, outcomes, drafts, mode)
+    ref = Refiner(drafter.bound_rows(state, n), ctx.tokens[-1], block, outcomes, drafts, mode)
     ref.refresh([0, 1, 2])
     assert ref.refreshes == [1, 1, 1] and ref.passes == [0, 0, 0]
     # Row 0: x_1, x_2 agree; the target's x_3 is written (anchor) or x_3 is left to redraft (refresh).
@@ -172,7 +177,7 @@ def test_fixed_positions_never_change_in_later_passes(target, sequences):
     outcomes = [(o.k, o.a) for o in drafter.select(logits, block, 4, 0.0)]
     noise = torch.randint(0, VOCAB, (4, M - 1), generator=torch.Generator().manual_seed(2))
     drafts, _ = drafter.draft_outcomes(state, n, drafter.draft_states(pred, normed), outcomes, noise, 0)
-    ref = Refiner(drafter, state, n, ctx.tokens[-1], block, outcomes, drafts, "anchor")
+    ref = Refiner(drafter.bound_rows(state, n), ctx.tokens[-1], block, outcomes, drafts, "anchor")
     history = []
     for step in range(M):
         rows = ref.open_rows()
@@ -212,7 +217,7 @@ def test_a_refresh_pass_of_an_unfixed_row_is_a_jacobi_pass(target, sequences):
     noise = torch.randint(0, VOCAB, (2, M - 1), generator=torch.Generator().manual_seed(4))
     j0, _ = drafter.draft_outcomes(state, n, states, outcomes, noise, 0)
     j1, _ = drafter.draft_outcomes(state, n, states, outcomes, noise, 1)
-    ref = Refiner(drafter, state, n, ctx.tokens[-1], block, outcomes, j0, "refresh")
+    ref = Refiner(drafter.bound_rows(state, n), ctx.tokens[-1], block, outcomes, j0, "refresh")
     ref.refresh([0, 1])
     rows = [b for b in ref.open_rows() if ref.fixed[b] == 0]
     assert rows, "a random draft model should disagree with the target at once"
@@ -230,7 +235,7 @@ def old_foresee(drafter, ctx, block, passes):
     n = len(ctx.tokens) - 1
     pred, logits, normed = drafter.predict(ctx, block)
     picked = drafter.select(logits, block, drafter.cache_size, ctx.temperature)
-    noise = torch.stack([draw_noise(ctx.tokens + block[:o.k] + [o.a], M - 1, state.generator) for o in picked])
+    noise = torch.stack([draw_noise(ctx.tokens + block[:o.k] + [o.a], M - 1, state.model.generator) for o in picked])
     model = drafter.model
     proj = model.project_context(drafter.draft_states(pred, normed)[None])
     positions = torch.arange(n, n + proj.shape[1])

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
-from foresight.drafter_worker.draft_model import DraftModel, SharedWeights
+from foresight.models.draft_model import DraftModel, SharedWeights
 from foresight.target_worker.runner import TargetRunner
 from foresight.training.corpus import Conversation, Decontaminator, conversations_from_source, eval_texts
 from foresight.training.dataset import LabelledData, choose_vocab_subset, sample_blocks

@@ -10,14 +10,13 @@ import torch
 from foresight.config import ConfigError, EngineConfig
 from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
 from foresight.drafter_worker.proposer import DraftContext
+from foresight.drafter_worker.costs import CostBySize, fit_line
 from foresight.drafter_worker.verify_length import (
     DRAFT_MARGIN,
     Acceptance,
-    CostBySize,
     VerifyLengthController,
     best_length,
     expected_accepted,
-    fit_line,
 )
 from support.inprocess import InProcessEngine
 from test_foresight import make_draft_model
@@ -135,13 +134,13 @@ def test_jetspec_proposer_reports_confidence_and_drops_absorbed_states():
     states = torch.randn(12, len(proposer.hidden_layers) * target.config.hidden_size)
     ctx = DraftContext(req_id="r", tokens=list(range(1, 9)), seed=7, hidden=[states[:7]])
     block = proposer.propose(ctx, 5)
-    assert len(ctx.last_confidence) == len(block) == 5 and all(0 < c <= 1 for c in ctx.last_confidence)
+    assert len(block.confidence) == len(block) == 5 and all(0 < c <= 1 for c in block.confidence)
     assert ctx.hidden == []  # absorbed into the context K/V: not kept twice
     ctx.last_block = block
     ctx.absorb(2, 40, states[7:10])
-    assert ctx.last_confidence == [] and len(ctx.hidden) == 1
+    assert len(ctx.last_block) == 0 and len(ctx.hidden) == 1
     proposer.propose(ctx, 4)
-    assert ctx.drafter_state.positions == 10 == len(ctx.tokens) - 1 and ctx.hidden == []
+    assert proposer.state(ctx).positions == 10 == len(ctx.tokens) - 1 and ctx.hidden == []
 
 
 class SteepCost(CostBySize):
@@ -171,9 +170,9 @@ def test_auto_verify_length_is_lossless(drafter):
     choices = []  # (drafts proposed, drafts sent)
     prefix = worker.verify_prefix
 
-    def recording(ctx, tokens, confidence, draft_s):
-        out = prefix(ctx, tokens, confidence, draft_s)
-        choices.append((len(tokens), len(out[0])))
+    def recording(ctx, draft, draft_s):
+        out = prefix(ctx, draft, draft_s)
+        choices.append((len(draft), len(out)))
         return out
 
     worker.verify_prefix = recording
