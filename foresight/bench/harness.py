@@ -342,6 +342,7 @@ def machine_info(cfg: EngineConfig) -> dict:
     return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
             "target_device": cfg.target_device, "drafter_device": cfg.drafter_device,
             "target_threads": cfg.target_threads, "drafter_threads": cfg.drafter_threads,
+            "borrow_drafter_threads": cfg.borrow_drafter_threads,
             "dtype": str(resolve_dtype(cfg.dtype, cfg.target_device)).replace("torch.", ""),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
