@@ -26,7 +26,7 @@ import zmq
 
 from ..config import EngineConfig
 from ..protocol.addresses import WorkerAddresses
-from ..protocol.messages import DraftBlock, Outcome, ReleaseDraft, Shutdown, StartDraft, WorkerReady
+from ..protocol.messages import DraftBlock, DrafterIdle, Outcome, ReleaseDraft, Shutdown, StartDraft, WorkerReady
 from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
 from ..protocol.sockets import MessageSocket
 from .ngram import NgramProposer
@@ -157,7 +157,8 @@ class DrafterWorker:
         ctx.round = msg.round
         proposer = self.strategies.get(msg.strategy)
         ctx.pipelined = msg.strategy == "pipelined"
-        if proposer is None:  # "ar" or "ngram": the target takes the round alone and waits for nothing
+        if proposer is None:  # "ar" or "ngram": the target takes the round alone; our foresight has stopped
+            self.send_to_target.send(DrafterIdle(req_id=msg.req_id, round=msg.round))
             return
         ctx.proposer = proposer.name
         t0 = time.perf_counter()

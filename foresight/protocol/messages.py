@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-PROTOCOL_VERSION = 2  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode
+PROTOCOL_VERSION = 3  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle
 
 MESSAGE_TYPES: dict[str, type] = {}
 
@@ -209,3 +209,13 @@ class DraftBlock:
     passes: int = 0
     refreshes: int = 0
     draft_s: float = 0.0
+
+
+@message
+class DrafterIdle:
+    """The drafter's answer to an `Outcome` that opens a round the target runs alone ("ar", "ngram"): it has
+    stopped the request's foresight work, so the target's steps may run on the drafter's cores too."""
+
+    KIND: ClassVar[str] = "drafter_idle"
+    req_id: str
+    round: int  # the Outcome's round

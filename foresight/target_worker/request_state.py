@@ -30,6 +30,9 @@ class RequestState:
     # that a run of plain / prompt-lookup rounds never wakes the drafter.
     unsent: list[int] = field(default_factory=list)
     unsent_hidden: list[torch.Tensor] = field(default_factory=list)
+    # The round of an Outcome that switched to a round the target runs alone, until the drafter answers it
+    # with DrafterIdle (its foresight for the request may run until then: its cores are not free). 0: none.
+    drafter_winding_down: int = 0
     block_cache_hit: bool | None = None
     block_passes: int = 0
     block_refreshes: int = 0
@@ -63,6 +66,7 @@ class RequestState:
         self.strategy = "ngram" if self.mode == "auto" else "ar"
         self.choice = None
         self.block = None
+        self.drafter_winding_down = 0
         self.block_cache_hit = None
         self.block_passes = self.block_refreshes = 0
 

@@ -20,9 +20,11 @@ from .request_state import RequestState
 
 
 def drafter_busy(states: Iterable[RequestState]) -> bool:
-    """Is the drafter drafting a block some request waits for, or running foresight beside a pipelined
-    verification (its block arrived; foresight runs until the outcome)?"""
-    return any(s.prefilled and s.awaits_block() and (s.block is None or s.strategy == "pipelined")
+    """Is the drafter drafting a block some request waits for, running foresight beside a pipelined
+    verification (its block arrived; foresight runs until the outcome), or not yet done with a request that
+    switched to a round the target runs alone (no DrafterIdle yet: a foresight stage may still run)?"""
+    return any(s.drafter_winding_down or
+               (s.prefilled and s.awaits_block() and (s.block is None or s.strategy == "pipelined"))
                for s in states)
 
 

@@ -31,6 +31,7 @@ from ..protocol.addresses import WorkerAddresses
 from ..protocol.messages import (
     AbortRequest,
     DraftBlock,
+    DrafterIdle,
     DrafterStatus,
     GenerateRequest,
     Outcome,
@@ -98,6 +99,7 @@ class TargetWorker:
             Shutdown: self.on_shutdown,
             DrafterStatus: self.on_drafter_status,
             DraftBlock: self.on_block,
+            DrafterIdle: self.on_drafter_idle,
         }
 
     # ------------------------------------------------------------------ loop
@@ -206,6 +208,11 @@ class TargetWorker:
         state.block_refreshes = block.refreshes
         state.block_received_at = time.perf_counter()
 
+    def on_drafter_idle(self, msg: DrafterIdle) -> None:
+        state = self.requests.get(msg.req_id)
+        if state is not None and state.drafter_winding_down == msg.round:
+            state.drafter_winding_down = 0
+
     # ------------------------------------------------------------------ one step of a request
 
     def prefill(self, state: RequestState) -> None:
@@ -292,6 +299,8 @@ class TargetWorker:
                                        max_drafts=self.max_drafts(state), verify_s=state.last_verify_s,
                                        strategy=state.strategy, **outcome)):
             state.detach()  # no block will come for this round
+        elif not state.awaits_block():
+            state.drafter_winding_down = state.round  # until its DrafterIdle: see drafter_busy
 
     def next_strategy(self, state: RequestState, committed: int | None) -> str:
         """The strategy of the request's next round; in mode auto, after measuring the round that just

@@ -152,3 +152,30 @@ def test_the_drafter_absorbs_a_prompt_when_the_request_starts():
     finally:
         zctx.destroy(linger=0)
         addrs.remove()
+
+
+def test_the_drafter_answers_a_switch_to_a_target_round_with_drafter_idle():
+    """An Outcome opening an "ngram" round gets DrafterIdle once the drafter has handled it (its foresight
+    stopped): only then do the target's steps borrow the drafter's threads."""
+    import zmq
+
+    from foresight.drafter_worker.worker import DrafterWorker
+    from foresight.protocol.addresses import WorkerAddresses
+    from foresight.protocol.messages import DrafterIdle, Outcome, StartDraft
+    from foresight.protocol.sockets import MessageSocket
+    from support.oracle_proposer import OracleForesight
+
+    model = tiny_model("llama")
+    zctx, addrs = zmq.Context(), WorkerAddresses.fresh()
+    try:
+        from_drafter = MessageSocket(zctx, zmq.PULL, addrs.drafter_to_target, bind=True)
+        worker = DrafterWorker(EngineConfig(drafter="ngram"), addrs, OracleForesight(model), zctx)
+        worker.on_start(StartDraft(req_id="r", prompt_ids=PROMPTS[0], seed=0))
+        worker.on_outcome(Outcome(req_id="r", round=1, accepted=0, bonus=5, max_drafts=4, strategy="pipelined"))
+        assert from_drafter.recv(timeout_ms=5000).round == 1  # the block
+        worker.on_outcome(Outcome(req_id="r", round=2, accepted=1, bonus=6, max_drafts=4, strategy="ngram"))
+        idle = from_drafter.recv(timeout_ms=5000)
+        assert isinstance(idle, DrafterIdle) and (idle.req_id, idle.round) == ("r", 2)
+    finally:
+        zctx.destroy(linger=0)
+        addrs.remove()

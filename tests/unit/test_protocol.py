@@ -11,6 +11,7 @@ from foresight.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, ProtocolError, d
 from foresight.protocol.messages import (
     AbortRequest,
     DraftBlock,
+    DrafterIdle,
     DrafterStatus,
     GenerateRequest,
     Heartbeat,
@@ -47,6 +48,7 @@ EXAMPLES = [
     Outcome(req_id="r1", round=2, accepted=1, bonus=9, max_drafts=4),
     ReleaseDraft(req_id="r1"),
     DraftBlock(req_id="r1", round=2, tokens=[], cache_hit=None, draft_s=0.25),
+    DrafterIdle(req_id="r1", round=3),
 ]
 
 

@@ -27,6 +27,9 @@ def test_the_drafter_is_busy_only_while_it_drafts_or_runs_foresight():
     assert not drafter_busy([state("hybrid", None, prefilled=False)])  # no block asked for before prefill
     assert not drafter_busy([state("hybrid", None, drafting=False)])  # detached: the drafter is down
     assert drafter_busy([state("ngram", None), state("sync", None)])  # any request's drafting counts
+    switched = state("ngram", None)
+    switched.drafter_winding_down = 7  # the Outcome of round 7 switched away from pipelined: no DrafterIdle yet
+    assert drafter_busy([switched])
 
 
 def test_step_threads_borrow_the_drafters_share_and_switch_only_on_change(monkeypatch):
