@@ -38,12 +38,9 @@ CONFIDENT_ROUNDS = 8.0  # pooled rounds behind an estimate for its full wait bet
 MAX_WAIT = 400.0  # rounds: even a hopeless strategy is tried again this often (the workload may change)
 MAX_TRIAL = 4  # rounds a promising trial may run
 PROMISING = 1.1  # a trial round is promising when it beats every other estimate by this factor (not by noise)
-# Rounds right after a switch that do not show what a strategy costs while it runs: "pipelined" pre-drafts
-# during round t for round t+1, so its first round after a switch runs without foresight, and in its second
-# the drafter's adapter and decoder first take in every position since they last ran (all the rounds of
-# other strategies meanwhile), which the target waits for. A cost paid once per switch, not per round: its
-# trial runs these rounds plus one, and only rounds after them are measured.
-UNMEASURED_AFTER_SWITCH = {"pipelined": 2}
+# "pipelined" pre-drafts during round t for round t+1: its first round after a switch runs without foresight,
+# so its trial lasts two rounds and only rounds after another pipelined one are measured.
+TRIAL_ROUNDS = {"pipelined": 2}
 MIN_MEASURED = 2  # rounds a strategy must have measured in a class before it competes on its estimate
 
 
@@ -67,7 +64,7 @@ class RequestChoice:
 
     group: str  # the request class whose pooled figures it shares ("greedy" | "sampled")
     current: str
-    streak: int = 0  # rounds in a row the current strategy has run, the current one included
+    previous: str = ""  # the strategy of the round before the current one
     trial_left: int = 0  # further rounds the current trial runs
     trial_rounds: int = 0  # rounds the current trial has run (0: not in a trial)
     last_rate: float = 0.0  # tokens per second of the last measured round
@@ -102,8 +99,8 @@ class StrategyChooser:
         choice.rounds[s] = choice.rounds.get(s, 0) + 1
         key = (choice.group, s)
         self.runs[key] = self.runs.get(key, 0) + 1
-        if choice.streak <= UNMEASURED_AFTER_SWITCH.get(s, 0):
-            return  # a round paying for the switch (see UNMEASURED_AFTER_SWITCH)
+        if s == "pipelined" and choice.previous != "pipelined":
+            return  # no foresight could run for it: not what pipelined costs or gives
         if seconds <= 0 or self.runs[key] == 1:
             return  # nothing to measure, or the strategy's first round in the class (see the docstring)
         self.measured_n[key] = self.measured_n.get(key, 0) + 1
@@ -114,12 +111,7 @@ class StrategyChooser:
 
     def advance(self, choice: RequestChoice) -> str:
         """Choose the strategy of the request's next round (it becomes `choice.current`)."""
-        before = choice.current
-        strategy = self._next(choice)
-        choice.streak = choice.streak + 1 if strategy == before else 1
-        return strategy
-
-    def _next(self, choice: RequestChoice) -> str:
+        choice.previous = choice.current
         rates = self.estimates(choice)
         if choice.trial_rounds and self._trial_goes_on(choice, rates):
             choice.trial_rounds += 1
@@ -176,7 +168,7 @@ class StrategyChooser:
     def _trial(self, choice: RequestChoice, strategy: str) -> str:
         self.tried_at[(choice.group, strategy)] = self.rounds[choice.group]
         choice.current = strategy
-        choice.trial_left = UNMEASURED_AFTER_SWITCH.get(strategy, 0)
+        choice.trial_left = TRIAL_ROUNDS.get(strategy, 1) - 1
         choice.trial_rounds = 1
         return strategy
 
