@@ -367,7 +367,6 @@ class _BoundRows:
         pred, logits, dec_states = self.drafter.predict_rows(self.state, self.n, tokens)  # [rows, L, ...]
         return logits, self.drafter.draft_states(pred, dec_states)
 
-    @torch.inference_mode()
     def draft_rows(self, states: torch.Tensor, lengths: list[int], inputs: torch.Tensor) -> torch.Tensor:
         model = self.drafter.model
         return model.draft_pass(row_contexts(model, self.state.draft, self.n, states, lengths), inputs)
