@@ -19,13 +19,24 @@ from ..config import EngineConfig
 from .request_state import RequestState
 
 
+def _drafting_for(s: RequestState) -> bool:
+    """Is the drafter drafting a block this request waits for, or running foresight beside its pipelined
+    verification (its block arrived; foresight runs until the outcome)?"""
+    return s.prefilled and s.awaits_block() and (s.block is None or s.strategy == "pipelined")
+
+
 def drafter_busy(states: Iterable[RequestState]) -> bool:
-    """Is the drafter drafting a block some request waits for, running foresight beside a pipelined
-    verification (its block arrived; foresight runs until the outcome), or not yet done with a request that
-    switched to a round the target runs alone (no DrafterIdle yet: a foresight stage may still run)?"""
-    return any(s.drafter_winding_down or
-               (s.prefilled and s.awaits_block() and (s.block is None or s.strategy == "pipelined"))
-               for s in states)
+    """Is the drafter drafting or running foresight for some request (`_drafting_for`), or not yet done with
+    a request that switched to a round the target runs alone (no DrafterIdle yet: a foresight stage may
+    still run)?"""
+    return any(s.drafter_winding_down or _drafting_for(s) for s in states)
+
+
+def winding_down_only(states: Iterable[RequestState]) -> bool:
+    """Is the drafter busy only because a request switched to a round the target runs alone, with its
+    DrafterIdle on the way? (After a sync or hybrid round the drafter answers at once.)"""
+    states = list(states)
+    return any(s.drafter_winding_down for s in states) and not any(_drafting_for(s) for s in states)
 
 
 class StepThreads:

@@ -50,13 +50,14 @@ from .loading import load_target, resolve_dtype, resolve_target
 from .local_lookup import LocalLookup
 from .request_state import RequestState
 from .runner import TargetRunner
-from .step_threads import StepThreads, drafter_busy
+from .step_threads import StepThreads, drafter_busy, winding_down_only
 from .strategy_choice import LOCAL_STRATEGIES, StrategyChooser, request_group
 from .verification import Verdict, verify
 
 log = logging.getLogger("foresight.target")
 
 IDLE_POLL_MS = 100
+WIND_DOWN_WAIT_MS = 2  # see drafter_still_busy
 # What the api hears of an unexpected failure; the details go to this worker's log with the request id.
 INTERNAL_ERROR = "internal error in the target worker"
 # What a prompt-lookup drafter offers (`drafter_worker.strategies`); the drafter reports its own in WorkerReady.
@@ -120,11 +121,24 @@ class TargetWorker:
                 self.poller.poll(IDLE_POLL_MS)
                 continue
             if self.threads is not None:
-                self.threads.use(drafter_busy=drafter_busy(self.requests.values()))
+                self.threads.use(drafter_busy=self.drafter_still_busy())
             t0 = time.perf_counter()
             self.step(state)
             self.busy_s += time.perf_counter() - t0
             state.round_started_at, state.busy_mark = time.perf_counter(), self.busy_s
+
+    def drafter_still_busy(self) -> bool:
+        """Whether the next step must leave the drafter its threads. A request that just switched to a
+        round the target runs alone waits up to WIND_DOWN_WAIT_MS for the drafter's DrafterIdle: it comes
+        within a fraction of a millisecond after a sync or hybrid round, and then the step runs on both
+        shares instead of one (a foresight job may take longer; then the step goes on without it)."""
+        states = self.requests.values()
+        if self.threads.borrowable and winding_down_only(states):
+            deadline = time.perf_counter() + WIND_DOWN_WAIT_MS / 1e3
+            while winding_down_only(states) and (left := deadline - time.perf_counter()) > 0:
+                if self.recv_from_drafter.socket.poll(max(1, int(left * 1e3)), zmq.POLLIN):
+                    self.drain(self.recv_from_drafter)
+        return drafter_busy(states)
 
     def drain(self, sock: MessageSocket) -> None:
         while (msg := sock.recv_nowait()) is not None:

@@ -179,3 +179,40 @@ def test_the_drafter_answers_a_switch_to_a_target_round_with_drafter_idle():
     finally:
         zctx.destroy(linger=0)
         addrs.remove()
+
+
+def test_a_switch_waits_a_moment_for_drafter_idle_before_borrowing():
+    """After a switch to a round the target runs alone, the next step waits (briefly) for the drafter's
+    DrafterIdle: it arrives within a millisecond after a hybrid round, and the step then runs on the
+    drafter's threads too. Without an answer the wait is bounded and the step keeps its own threads."""
+    import torch
+    import zmq
+
+    from foresight.protocol.addresses import WorkerAddresses
+    from foresight.protocol.messages import DrafterIdle, GenerateRequest, SamplingParams
+    from foresight.protocol.sockets import MessageSocket
+    from foresight.target_worker.request_state import RequestState
+    from foresight.target_worker.runner import TargetRunner
+    from foresight.target_worker.step_threads import StepThreads
+    from foresight.target_worker.worker import WIND_DOWN_WAIT_MS, TargetWorker
+
+    zctx, addrs = zmq.Context(), WorkerAddresses.fresh()
+    worker = TargetWorker(EngineConfig(drafter="ngram"), addrs, TargetRunner(tiny_model("llama")), zctx,
+                          eos_token_ids=[], max_model_len=256, threads=StepThreads(own=1, borrowable=1))
+    try:
+        to_target = MessageSocket(zctx, zmq.PUSH, addrs.drafter_to_target, bind=False)
+        request = GenerateRequest(req_id="r", prompt_ids=[1, 2], max_tokens=8, sampling=SamplingParams())
+        state = RequestState(request=request, mode="auto", generator=torch.Generator(), drafting=True,
+                             strategy="ngram")
+        state.cache, state.round, state.drafter_winding_down = object(), 4, 4
+        worker.requests["r"] = state
+        t0 = time.perf_counter()
+        assert worker.drafter_still_busy()  # no answer: the step keeps its own threads ...
+        assert time.perf_counter() - t0 < 1.0 and state.drafter_winding_down == 4  # ... after a bounded wait
+        assert WIND_DOWN_WAIT_MS <= 5
+        to_target.send(DrafterIdle(req_id="r", round=4))
+        time.sleep(0.05)  # it is in the target's queue, not yet handled: the loop drained before it came
+        assert not worker.drafter_still_busy() and state.drafter_winding_down == 0
+    finally:
+        zctx.destroy(linger=0)
+        addrs.remove()

@@ -6,7 +6,7 @@ import torch
 from foresight.config import EngineConfig
 from foresight.protocol.messages import GenerateRequest, SamplingParams
 from foresight.target_worker.request_state import RequestState
-from foresight.target_worker.step_threads import StepThreads, drafter_busy
+from foresight.target_worker.step_threads import StepThreads, drafter_busy, winding_down_only
 
 
 def state(strategy: str, block: list[int] | None, prefilled: bool = True, drafting: bool = True) -> RequestState:
@@ -30,6 +30,10 @@ def test_the_drafter_is_busy_only_while_it_drafts_or_runs_foresight():
     switched = state("ngram", None)
     switched.drafter_winding_down = 7  # the Outcome of round 7 switched away from pipelined: no DrafterIdle yet
     assert drafter_busy([switched])
+    # Busy only by the switch: the target may wait a moment for DrafterIdle (TargetWorker.drafter_still_busy).
+    assert winding_down_only([switched]) and winding_down_only([switched, state("hybrid", [5, 6])])
+    assert not winding_down_only([switched, state("hybrid", None)])  # another request's block is being drafted
+    assert not winding_down_only([state("ngram", None)])
 
 
 def test_step_threads_borrow_the_drafters_share_and_switch_only_on_change(monkeypatch):

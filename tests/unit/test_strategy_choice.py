@@ -118,3 +118,15 @@ def test_an_estimate_from_a_few_unlucky_rounds_is_checked_again_soon():
         chooser.observe(choice, tokens, seconds)
         chooser.advance(choice)
     assert choice.rounds["ngram"] > 150, choice.rounds  # its estimate at r = 0.75 alone would wait 114 rounds
+
+
+def test_a_rival_with_long_rounds_is_tried_less_often():
+    """Two rivals at the same rate, one in rounds five times as long: trials of each take the same share of
+    time, so the long-round one is tried about five times less often."""
+    def trials(speed: tuple[int, float]) -> int:
+        chooser = StrategyChooser(("ngram", "pipelined"))
+        used = run(chooser, {"ngram": (1, 0.030), "pipelined": speed}, requests=40, rounds=100)
+        return sum(u.get("pipelined", 0) for u in used[1:])
+
+    short, long = trials((1, 0.060)), trials((5, 0.300))  # both at half the best rate
+    assert long * 3 < short, (short, long)
