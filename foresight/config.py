@@ -38,6 +38,9 @@ class EngineConfig:
     nucleus_threshold: float = 0.95
     block_size: int = 8  # anchor + gamma draft tokens verified per round
     cache_size: int = 4  # speculation cache entries (B) in pipelined mode
+    # pipelined: outcome-score calibration (JetSpec++ B.1): "auto" (<adapter>/calibration.json if present) |
+    # "none" (Eq. 6 scores) | PATH
+    calibration: str = "auto"
     # pipelined: target layers the foresight decoder reuses; None = the adapter's recommendation, else
     # all layers above the deepest index the adapter predicts
     decoder_layers: int | None = None
@@ -180,6 +183,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nucleus-threshold", type=float, default=d.nucleus_threshold)
     g.add_argument("--block-size", type=int, default=d.block_size, help="anchor + draft tokens per verification")
     g.add_argument("--cache-size", type=int, default=d.cache_size, help="speculation cache entries (pipelined)")
+    g.add_argument("--calibration", default=d.calibration,
+                   help="pipelined: auto (<adapter>/calibration.json if present) | none (uncalibrated outcome "
+                        "scores) | PATH to a fitted calibration (foresight calibrate-foresight)")
     g.add_argument("--decoder-layers", type=int, default=d.decoder_layers,
                    help="pipelined: target layers the foresight decoder reuses (default: the adapter's "
                         "recommendation, else all layers above the deepest one it predicts)")

@@ -244,7 +244,8 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
                      "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max, "refinement": cfg.refinement,
                      "draft_passes": cfg.draft_passes, "draft_refreshes": cfg.draft_refreshes,
                      "foresight_budget": cfg.foresight_budget, "verify_length": cfg.verify_length,
-                     "cache_size": cfg.cache_size, "decoder_layers": decoder_layers, "seed": args.seed},
+                     "cache_size": cfg.cache_size, "decoder_layers": decoder_layers,
+                     "calibration": info.get("calibration"), "seed": args.seed},
         "modes": summary,
         "ratios": ratios(summary),
     }

@@ -16,15 +16,19 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the 
 # and culture, rewriting), 6 of them two-turn. Written for this project; kept out of training data
 # (training/corpus.py decontaminates against it). Lines are interleaved by kind, so --limit N samples all.
 CHAT_SET = Path(__file__).with_name("data") / "chat.jsonl"
+# Held out from every evaluation set: only to fit the outcome-score calibration (calibrate-foresight).
+CALIBRATION_SET = Path(__file__).with_name("data") / "calibration.jsonl"
 NAMED_SETS = ("humaneval", "chat")
 
 
 def load_prompts(source: str, limit: int | None = None) -> list[dict]:
-    """Each item is {"prompt": str} or {"messages": [...]}; `source` is a JSONL path, `humaneval` or `chat`."""
+    """Each item is {"prompt": str} or {"messages": [...]}; `source` is a JSONL path, `humaneval`, `chat` or
+    `calibration`."""
     if source == "humaneval":
         items = humaneval_prompts()
     else:
-        items = _read_jsonl(CHAT_SET if source == "chat" else Path(source))
+        named = {"chat": CHAT_SET, "calibration": CALIBRATION_SET}
+        items = _read_jsonl(named.get(source, Path(source)))
     for i, item in enumerate(items):
         if not isinstance(item, dict) or not ({"prompt", "messages"} & item.keys()):
             raise ConfigError(f"prompts: line {i + 1} needs a 'prompt' or a 'messages' field")

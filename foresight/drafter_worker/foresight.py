@@ -32,14 +32,15 @@ outcome is cached first and the rest of the cache follows the temperature-1 scor
 
 Scores follow the request's verification (StartDraft's sampling): top-k and top-p truncate p_hat as
 they truncate the target's distribution, and under nucleus verification drafts inside p_hat's nucleus
-count as surely accepted (`outcomes.py`). Not here yet: calibrated scores (appendix B.1).
+count as surely accepted (`outcomes.py`). With a calibration fit on held-out rounds (appendix B.1,
+`calibration.py`; shipped as `<adapter>/calibration.json`), calibrated scores rank the outcomes instead.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -48,6 +49,7 @@ from ..protocol.messages import SamplingParams
 from ..target_worker.sampling import target_probs
 from ..target_worker.verification import in_nucleus
 from .budget import Plan, StepCosts, plan_round
+from .calibration import FILE_NAME as CALIBRATION_FILE, Calibration, calibrated_scores
 from ..models.decoder import DecoderCache, ForesightDecoder
 from ..models.draft_model import ContextKV, DraftModel, SharedWeights, draw_noise
 from .jetspec_proposer import DraftModelState, JetSpecProposer, load_drafter_target
@@ -93,12 +95,14 @@ class ForesightDrafter:
 
     def __init__(self, model: DraftModel, adapter, decoder: ForesightDecoder, passes: int | None = None,
                  cache_size: int = 4, foresight_passes: int | None = None, temperature: float | None = None,
-                 refreshes: int | None = None, refinement: str = "anchor", use_budget: bool = True):
+                 refreshes: int | None = None, refinement: str = "anchor", use_budget: bool = True,
+                 calibration: Calibration | None = None):
         """`passes`: Jacobi passes after J0 in sync mode (pipelined misses draft J0 only);
         `foresight_passes`: J at most for pre-drafted blocks (default `passes`); `cache_size`: B at most;
         `refreshes`: R at most (None: up to J); `refinement`: the default mode (none | refresh | anchor);
         `use_budget`: False plans the caps whatever the verify time (tests, fixed-J/R ablations);
-        `temperature`: the sampling temperature to score outcomes at (None: temperature 1, the paper's)."""
+        `temperature`: the sampling temperature to score outcomes at (None: temperature 1, the paper's);
+        `calibration`: calibrated outcome scores (appendix B.1, `calibration.py`; None: Eq. 6 as it is)."""
         if adapter is None or decoder is None:
             raise ValueError("foresight needs both an adapter and a decoder (use JetSpecProposer without them)")
         if cache_size < 1:
@@ -111,6 +115,7 @@ class ForesightDrafter:
         self.foresight_passes = self.passes if foresight_passes is None else foresight_passes
         self.refreshes, self.refinement, self.use_budget = refreshes, refinement, use_budget
         self.temperature = temperature
+        self.calibration = calibration
         n_target = decoder.config.num_hidden_layers
         hidden = decoder.config.hidden_size
         if model.config.target_hidden_size != hidden:
@@ -249,19 +254,25 @@ class ForesightDrafter:
         return pred, logits, dec_states
 
     def select(self, logits: torch.Tensor, block: list[int], B: int, temperature: float | None,
-               sampling: SamplingParams | None = None) -> list[Outcome]:
+               sampling: SamplingParams | None = None, confidence: Sequence[float] = (),
+               calibrated: bool = True) -> list[Outcome]:
         """Step 3: the B outcomes to pre-draft, best first (Eq. 6-7; greedy path first at temperature 0).
 
         Scored under the request's own verification (`sampling`: top-k, top-p, exact or nucleus), so that
         with a perfect decoder the scores are the outcome law (Proposition 1). At temperature 0 the rest of
-        the cache is ranked at temperature 1, where the nucleus gate of greedy verification is built too."""
+        the cache is ranked at temperature 1, where the nucleus gate of greedy verification is built too.
+        With a calibration (and `calibrated`), the calibrated scores of appendix B.1 rank the outcomes;
+        `confidence` [gamma]: the draft model's probability of each draft, one of their features."""
         t = 1.0 if not temperature else temperature
         top_k, top_p = (sampling.top_k, sampling.top_p) if sampling is not None else (0, 1.0)
         probs = target_probs(logits, t, top_k, top_p)  # [gamma+1, vocab]  p_hat as the target processes p
         sure = None
         if sampling is not None and sampling.verification == "nucleus" and block:
             sure = in_nucleus(probs[: len(block)], torch.tensor(block), sampling.nucleus_threshold)  # [gamma]
-        scores = outcome_scores(probs, block, sure)
+        if calibrated and self.calibration is not None:
+            scores = calibrated_scores(probs, block, self.calibration, confidence, sure)
+        else:
+            scores = outcome_scores(probs, block, sure)
         picked = select_outcomes(scores, B)
         if temperature is None or temperature > 0:
             return picked
@@ -305,8 +316,8 @@ class ForesightDrafter:
         return plan_round(self.costs, budget_s if self.use_budget else 0.0, self.cache_size, j, r)
 
     def foresee(self, ctx: DraftContext, block: list[int], max_drafts: int, budget_s: float,
-                stop: Callable[[], bool] | None = None) -> list[CacheEntry]:
-        """Steps 1-5 for `block`. `stop`: asked between stages whether a message waits (an outcome, or any
+                stop: Callable[[], bool] | None = None, confidence: Sequence[float] = ()) -> list[CacheEntry]:
+        """Steps 1-5 for `block` (`confidence`: the draft model's probability of each of its tokens). `stop`: asked between stages whether a message waits (an outcome, or any
         other request's message); then the job ends at once: before drafting it returns nothing, after it
         the drafts as they stand (every pass and refresh leaves a valid block)."""
         stop = stop or (lambda: False)
@@ -325,7 +336,7 @@ class ForesightDrafter:
         t1 = time.perf_counter()
         self.costs.predict.observe(t1 - t0)
         plan = self.plan(budget_s, mode)
-        picked = self.select(logits, block, plan.outcomes, temperature, ctx.sampling)
+        picked = self.select(logits, block, plan.outcomes, temperature, ctx.sampling, confidence)
         if not picked or stop():
             return []
         refiner = self.predraft(ctx, state, block, picked, self.draft_states(pred, dec_states), max_drafts, plan,
@@ -404,4 +415,18 @@ def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineCon
     decoder = ForesightDecoder(target, n_layers=n_layers, vocab_subset=subset)
     return ForesightDrafter(model, adapter, decoder, passes=cfg.draft_passes, cache_size=cfg.cache_size,
                             refreshes=cfg.draft_refreshes, refinement=cfg.refinement,
-                            use_budget=cfg.foresight_budget)
+                            use_budget=cfg.foresight_budget, calibration=load_calibration(cfg, adapter_path))
+
+
+def load_calibration(cfg: EngineConfig, adapter_path: Path) -> Calibration | None:
+    """`auto`: the calibration fit for the shipped adapter (`<adapter>/calibration.json`), if any; `none`: the
+    uncalibrated Eq. 6 scores; else the file given."""
+    if cfg.calibration == "none":
+        return None
+    if cfg.calibration == "auto":
+        path = adapter_path / CALIBRATION_FILE
+        return Calibration.load(path) if path.is_file() else None
+    path = Path(cfg.calibration).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"calibration: {path} does not exist (auto | none | PATH to a calibration.json)")
+    return Calibration.load(path)

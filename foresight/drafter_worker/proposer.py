@@ -9,7 +9,7 @@ reads: committed tokens, target states no proposer has absorbed yet, the block i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -95,10 +95,11 @@ class ForesightProposer(Proposer, Protocol):
     """A proposer that can pre-draft for the outcomes of the block under verification (pipelined mode)."""
 
     def foresee(self, ctx: DraftContext, block: list[int], max_drafts: int, budget_s: float,
-                stop: Callable[[], bool] | None = None) -> list[CacheEntry]:
-        """While the target verifies `block` (drafted after `ctx.tokens`), pre-draft blocks for the
-        outcomes (k, a) it expects, within about `budget_s` seconds of work (the last verify time). `stop()`
-        true (a message waits) ends the work early with what is ready (possibly nothing)."""
+                stop: Callable[[], bool] | None = None, confidence: Sequence[float] = ()) -> list[CacheEntry]:
+        """While the target verifies `block` (drafted after `ctx.tokens`, with the proposer's `confidence`
+        in each token if it gave one), pre-draft blocks for the outcomes (k, a) it expects, within about
+        `budget_s` seconds of work (the last verify time). `stop()` true (a message waits) ends the work
+        early with what is ready (possibly nothing)."""
         ...
 
 

@@ -110,7 +110,8 @@ class DrafterWorker:
             "proposer": self.proposer.name, "hidden_layers": self.proposer.hidden_layers,
             "supports_foresight": self.proposer.supports_foresight,
             "strategies": ["ar", "ngram"] + sorted(self.strategies), "auto_strategies": auto_strategies(self.strategies),
-            "decoder_layers": getattr(getattr(self.proposer, "decoder", None), "n_layers", None)}))
+            "decoder_layers": getattr(getattr(self.proposer, "decoder", None), "n_layers", None),
+            "calibration": calibration_source(self.proposer)}))
         with self.heartbeats:
             self.loop()
 
@@ -209,7 +210,7 @@ class DrafterWorker:
         try:
             max_drafts = self.draft_length(ctx, job.max_drafts, job.round + 1)  # the entries answer round+1
             entries = self.proposer.foresee(ctx, ctx.last_block.tokens, max_drafts, self.verify.seconds,
-                                            self.message_waiting)
+                                            self.message_waiting, ctx.last_block.confidence)
         except Exception:
             log.exception("request %s: foresight drafting failed; the next round misses the cache", job.req_id)
             return
@@ -222,6 +223,12 @@ class DrafterWorker:
 
     def on_shutdown(self, msg: Shutdown) -> None:
         self.stopping = True
+
+
+def calibration_source(proposer) -> str | None:
+    """What the foresight scores were calibrated on (None: no foresight, or uncalibrated Eq. 6 scores)."""
+    calibration = getattr(proposer, "calibration", None)
+    return calibration.source or "unnamed" if calibration is not None else None
 
 
 def main(cfg_dict: dict, addrs_dict: dict) -> None:

@@ -1,4 +1,5 @@
-"""`foresight train drafter|adapter`, `foresight eval-drafter` and `foresight eval-foresight`.
+"""`foresight train drafter|adapter`, `foresight eval-drafter`, `foresight eval-foresight` and
+`foresight calibrate-foresight`.
 
     foresight train drafter --out DIR [--device cpu|cuda] [--steps N] [--data-dir DIR] [--resume] [--seed S]
         phase "label": teacher-force the target over stdlib conversations (and, with --regen N, over its own
@@ -9,7 +10,10 @@
     foresight eval-drafter --drafter DIR [--prompts humaneval] [--limit N] [--temperatures 0,1]
                            [--block-sizes 8,16,32] [--passes 0,1,2,3] --out report.json
     foresight eval-foresight [--drafter DIR] [--decoder-layers 3,15] [--cache-sizes 1,2,4,8,16] --out report.json
-        offline replay of the outcomes foresight selects: hit rate per cache size B and decoder depth.
+        offline replay of the outcomes foresight selects: hit rate per cache size B and decoder depth, by the
+        decoder's Eq. 6 scores and by the calibrated ones (--calibration, default the shipped one).
+    foresight calibrate-foresight [--prompts calibration] --out <adapter>/calibration.json
+        fit the outcome-score calibration (JetSpec++ appendix B.1) on held-out rounds at T=0 and T=1.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-COMMANDS = ("train", "eval-drafter", "eval-foresight")
+COMMANDS = ("train", "eval-drafter", "eval-foresight", "calibrate-foresight")
 
 # Recipes: the CPU one runs in the background for hours and resumes; the GPU one labels more (with the
 # target's own answers) and trains bigger batches in one short run.
@@ -34,7 +38,8 @@ RECIPES = {
 
 
 def add_train_args(sub) -> None:
-    """Register `train drafter|adapter`, `eval-drafter` and `eval-foresight` on the top-level subparsers."""
+    """Register `train drafter|adapter`, `eval-drafter`, `eval-foresight` and `calibrate-foresight` on the
+    top-level subparsers."""
     train = sub.add_parser("train", help="train drafter models")
     what = train.add_subparsers(dest="train_what", required=True)
     d = what.add_parser("drafter", help="label data with the target and train the JetSpec draft model")
@@ -124,15 +129,39 @@ def add_train_args(sub) -> None:
     f.add_argument("--block-size", type=int, default=16)
     f.add_argument("--passes", type=int, default=0, help="Jacobi passes of the replayed drafts (0: a miss's J0)")
     f.add_argument("--max-tokens", type=int, default=128)
+    f.add_argument("--temperature", type=float, default=0.0, help="0: greedy verification; > 0: sampled")
+    f.add_argument("--calibration", default="auto",
+                   help="auto (<adapter>/calibration.json if present) | none | PATH: also rank by calibrated scores")
     f.add_argument("--threads", type=int, default=1)
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--out", required=True)
+
+    c = sub.add_parser("calibrate-foresight", help="fit the outcome-score calibration (JetSpec++ B.1) on held-out "
+                                                   "rounds")
+    c.add_argument("--drafter", default="auto", help="drafter checkpoint folder with its adapter (default: shipped)")
+    c.add_argument("--adapter", default="auto", help="auto (<drafter>/adapter) | PATH")
+    c.add_argument("--target", default=None)
+    c.add_argument("--prompts", default="calibration",
+                   help="calibration (the held-out set, default) | JSONL file; never an evaluation set")
+    c.add_argument("--offset", type=int, default=0)
+    c.add_argument("--limit", type=int, default=48)
+    c.add_argument("--decoder-layers", type=int, default=None, help="the depth served (default: the adapter's)")
+    c.add_argument("--temperatures", default="0,1")
+    c.add_argument("--block-size", type=int, default=8, help="anchor + drafts per round (the served default)")
+    c.add_argument("--max-tokens", type=int, default=96)
+    c.add_argument("--threads", type=int, default=1)
+    c.add_argument("--out", required=True, help="where to write calibration.json (ship it beside the adapter)")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.command == "calibrate-foresight":
+        from .calibrate_foresight import run_calibrate
+
+        run_calibrate(args)
+        return 0
     if args.command == "eval-foresight":
         from .eval_foresight import run_eval_foresight
 

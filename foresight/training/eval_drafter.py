@@ -46,8 +46,9 @@ def greedy_reference(runner: TargetRunner, prompt: list[int], max_tokens: int, e
 
 def speculate(runner: TargetRunner, proposer, prompt: list[int], max_tokens: int, temperature: float,
               block_size: int, seed: int, eos: list[int], on_verified=None) -> dict:
-    """One request through the speculative round loop (sync mode). `on_verified(ctx, draft, result,
-    verdict)` is called after each verification of a non-empty draft, before the drafter absorbs it."""
+    """One request through the speculative round loop (sync mode). `on_verified(ctx, block, result,
+    verdict)` is called after each verification of a non-empty block (a `Draft`), before the drafter
+    absorbs it."""
     gen = torch.Generator(device=runner.device).manual_seed(seed)
     cache = runner.new_cache()
     res = runner.prefill(cache, prompt)
@@ -78,7 +79,7 @@ def _round_loop(runner: TargetRunner, proposer, ctx: DraftContext, cache, gen: t
         verify_s += time.perf_counter() - t1
         draft_s += t1 - t0
         if on_verified is not None and draft:
-            on_verified(ctx, draft, result, verdict)
+            on_verified(ctx, block, result, verdict)
         ctx.last_block = block
         hidden = result.hidden[:verdict.accepted + 1] if result.hidden is not None else None
         ctx.absorb(verdict.accepted, verdict.token, hidden)

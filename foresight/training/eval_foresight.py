@@ -1,12 +1,16 @@
 """Offline replay of foresight outcome selection (the shape of JetSpec++ Tables 10-11).
 
-Greedy speculative decoding with the real target, one request at a time (`eval_drafter.speculate`,
-T = 0). Before each verification the foresight drafter predicts the block's
+Speculative decoding with the real target, one request at a time (`eval_drafter.speculate`,
+T = 0 unless --temperature). Before each verification the foresight drafter predicts the block's
 states and selects outcomes exactly as it does in pipelined serving (`ForesightDrafter.select`: the
 decoder's greedy path first, then the Eq. 6 scores); after it, the realised outcome (k, a) is looked up
 among the first B selected, for every B asked. This isolates what the adapter and the decoder know from
 the serving budget and timing: the bench's hit rate can only be lower (the budget may draft fewer
 outcomes than the cache size).
+
+With a calibration (`--calibration`, default the one shipped beside the adapter) every round is ranked by
+both rules, the decoder's Eq. 6 scores and the calibrated ones (appendix B.1), on the same rounds.
+`--temperature 1` replays sampled verification (the request's seed per prompt).
 
 Reported per decoder depth (`--decoder-layers`): hit rate at each B, the decoder's top-1 agreement
 with the target's token after the anchor (row 0: the outcome of every round whose first draft fails),
@@ -22,37 +26,42 @@ from pathlib import Path
 
 import torch
 
+from ..target_worker.loading import resolve_target
 from ..target_worker.runner import TargetRunner
 from ..target_worker.worker import eos_ids
 from .eval_drafter import _ints, speculate
 
 
 def replay(runner: TargetRunner, drafter, prompt: list[int], max_tokens: int, block_size: int,
-           eos: list[int], cache_sizes: list[int]) -> dict:
-    """One greedy request; per round the realised outcome's place among the selected outcomes."""
-    hits = {b: 0 for b in cache_sizes}
+           eos: list[int], cache_sizes: list[int], temperature: float = 0.0, seed: int = 0) -> dict:
+    """One request; per round the realised outcome's place among the selected outcomes, by the
+    uncalibrated Eq. 6 rule and (when the drafter has a calibration) by the calibrated one."""
+    rules = ("eq6", "calibrated") if drafter.calibration is not None else ("eq6",)
+    hits = {rule: {b: 0 for b in cache_sizes} for rule in rules}
     tally = {"rounds": 0, "committed": 0, "anchor_agree": 0, "predict_s": []}
 
-    def score(ctx, draft, result, verdict) -> None:
+    def score(ctx, block, result, verdict) -> None:
+        draft = block.tokens
         t0 = time.perf_counter()
         _, logits, _ = drafter.predict(ctx, draft)  # [gamma+1, vocab]
-        selected = drafter.select(logits, draft, max(cache_sizes), 0.0)
         tally["predict_s"].append(time.perf_counter() - t0)
-        realised = [i for i, o in enumerate(selected) if (o.k, o.a) == (verdict.accepted, verdict.token)]
-        for b in cache_sizes:
-            hits[b] += bool(realised and realised[0] < b)
+        for rule in rules:
+            selected = drafter.select(logits, draft, max(cache_sizes), temperature, confidence=block.confidence,
+                                      calibrated=rule == "calibrated")
+            realised = [i for i, o in enumerate(selected) if (o.k, o.a) == (verdict.accepted, verdict.token)]
+            for b in cache_sizes:
+                hits[rule][b] += bool(realised and realised[0] < b)
         tally["anchor_agree"] += int(logits[0].argmax()) == int(result.logits[0].argmax())
         tally["rounds"] += 1
         tally["committed"] += verdict.accepted + 1
 
-    speculate(runner, drafter, prompt, max_tokens, 0.0, block_size, 0, eos, on_verified=score)
+    speculate(runner, drafter, prompt, max_tokens, temperature, block_size, seed, eos, on_verified=score)
     return {**tally, "hits": hits}
 
 
-def run_eval_foresight(args: argparse.Namespace) -> dict:
+def load_eval_target(args: argparse.Namespace):
+    """The fp32 target, the prompts (`--prompts`, `--offset`, `--limit`) as token ids, and its EOS ids."""
     from ..bench.prompts import load_prompts
-    from ..config import EngineConfig
-    from ..drafter_worker.worker import make_proposer
     from ..target_worker.loading import load_target, load_tokenizer, resolve_target
     from .labelling import chat_ids
 
@@ -62,31 +71,45 @@ def run_eval_foresight(args: argparse.Namespace) -> dict:
     items = load_prompts(args.prompts, args.offset + args.limit)[args.offset:]
     prompts = [chat_ids(tokenizer, item["messages"], True) if "messages" in item
                else tokenizer.encode(item["prompt"], add_special_tokens=False) for item in items]
-    sizes, eos = _ints(args.cache_sizes), eos_ids(target)
+    return target, prompts, eos_ids(target)
+
+
+def run_eval_foresight(args: argparse.Namespace) -> dict:
+    from ..config import EngineConfig
+    from ..drafter_worker.worker import make_proposer
+
+    target, prompts, eos = load_eval_target(args)
+    sizes = _ints(args.cache_sizes)
     results = []
     for depth in _ints(args.decoder_layers):
         cfg = EngineConfig(target=args.target, drafter=args.drafter, adapter=args.adapter, dtype="float32",
-                           decoder_layers=depth, draft_passes=args.passes)
+                           decoder_layers=depth, draft_passes=args.passes, calibration=args.calibration)
         drafter = make_proposer(cfg)
         if not getattr(drafter, "supports_foresight", False):
             raise SystemExit(f"eval-foresight: {args.drafter} has no adapter (foresight) to evaluate")
         runner = TargetRunner(target, drafter.hidden_layers)
-        runs = [replay(runner, drafter, p, args.max_tokens, args.block_size, eos, sizes) for p in prompts]
+        runs = [replay(runner, drafter, p, args.max_tokens, args.block_size, eos, sizes, args.temperature, i)
+                for i, p in enumerate(prompts)]
         rounds = sum(r["rounds"] for r in runs)
+        hit_rates = {rule: {str(b): sum(r["hits"][rule][b] for r in runs) / max(1, rounds) for b in sizes}
+                     for rule in runs[0]["hits"]} if runs else {}
         row = {"decoder_layers": depth, "decoder_input_index": drafter.decoder.input_index, "rounds": rounds,
                "tau": sum(r["committed"] for r in runs) / max(1, rounds),
-               "hit_rate": {str(b): sum(r["hits"][b] for r in runs) / max(1, rounds) for b in sizes},
+               "hit_rate": hit_rates.get("eq6", {}), "hit_rate_calibrated": hit_rates.get("calibrated"),
                "anchor_agreement": sum(r["anchor_agree"] for r in runs) / max(1, rounds),
                "predict_ms_p50": 1e3 * statistics.median([s for r in runs for s in r["predict_s"]] or [0.0])}
         results.append(row)
-        hits = " ".join(f"B{b}={row['hit_rate'][str(b)]:.2f}" for b in sizes)
-        print(f"[eval-foresight] decoder {depth} layers (input index {row['decoder_input_index']}): {hits} "
-              f"anchor agreement {row['anchor_agreement']:.2f}, tau {row['tau']:.3f}, {rounds} rounds, "
-              f"predict {row['predict_ms_p50']:.1f} ms", flush=True)
-    report = {"target": str(path), "drafter": args.drafter, "adapter": args.adapter,
+        for rule, rates in hit_rates.items():
+            hits = " ".join(f"B{b}={rates[str(b)]:.3f}" for b in sizes)
+            print(f"[eval-foresight] decoder {depth} layers (input index {row['decoder_input_index']}), {rule}: "
+                  f"{hits}", flush=True)
+        print(f"[eval-foresight] anchor agreement {row['anchor_agreement']:.2f}, tau {row['tau']:.3f}, {rounds} "
+              f"rounds, predict {row['predict_ms_p50']:.1f} ms", flush=True)
+    report = {"target": str(resolve_target(args.target)), "drafter": args.drafter, "adapter": args.adapter,
+              "calibration": args.calibration,
               "settings": {"prompts": args.prompts, "offset": args.offset, "limit": args.limit,
                            "max_tokens": args.max_tokens, "block_size": args.block_size, "passes": args.passes,
-                           "threads": args.threads, "dtype": "float32"},
+                           "temperature": args.temperature, "threads": args.threads, "dtype": "float32"},
               "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

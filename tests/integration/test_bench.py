@@ -37,6 +37,7 @@ def test_bench_report(tmp_path):
     assert set(report["modes"]) == {"ar", "sync", "pipelined", "auto"}
     assert report["drafter"] == "jetspec++"  # the shipped checkpoint, with its adapter
     assert report["settings"]["decoder_layers"] == 15  # the shipped adapter's recommendation, as resolved
+    assert "decoder 15 layers" in report["settings"]["calibration"]  # the shipped fit, loaded beside the adapter
     assert set(report["modes"]["ar"]) == MODE_FIELDS
     for mode in ("sync", "pipelined", "auto"):
         assert set(report["modes"][mode]) == MODE_FIELDS | PROBE_FIELDS

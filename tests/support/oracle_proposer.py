@@ -36,7 +36,8 @@ class OracleForesight(StatelessProposer):
     def _corrupt(self, tokens: list[int]) -> list[int]:
         return [(t + 1) % self.vocab if i % 3 == 2 else t for i, t in enumerate(tokens)]
 
-    def foresee(self, ctx, block: list[int], max_drafts: int, budget_s: float, stop=None) -> list[CacheEntry]:
+    def foresee(self, ctx, block: list[int], max_drafts: int, budget_s: float, stop=None,
+                confidence=()) -> list[CacheEntry]:
         self.foresee_calls += 1
         truth = self.greedy(ctx.tokens, len(block) + 1)
         k = next((i for i, (d, t) in enumerate(zip(block, truth)) if d != t), len(block))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from foresight.drafter_worker.calibration import Calibration
 from foresight.target_worker.runner import TargetRunner
 from foresight.training.eval_foresight import replay
 from test_foresight import PROMPTS, make_drafter, sequences, target  # noqa: F401  (fixtures)
@@ -18,8 +19,17 @@ def test_perfect_decoder_hits_every_round(target, sequences):
     runner = TargetRunner(target, drafter.hidden_layers)
     r = replay(runner, drafter, PROMPTS[0], 30, 6, [], [1, 4])
     assert r["rounds"] >= 5 and r["committed"] >= 28  # the prefill gives one token, a draftless step is not replayed
-    assert r["hits"] == {1: r["rounds"], 4: r["rounds"]} and r["anchor_agree"] == r["rounds"]
+    assert r["hits"] == {"eq6": {1: r["rounds"], 4: r["rounds"]}} and r["anchor_agree"] == r["rounds"]
     assert len(r["predict_s"]) == r["rounds"]
+
+
+def test_a_calibration_is_replayed_beside_eq6(target, sequences):
+    """With a calibration both rules rank every round; one that copies the decoder's acceptance (and beta 1)
+    keeps the perfect decoder's greedy path first, so it hits every round too."""
+    drafter = make_drafter(target, sequences, passes=0, calibration=Calibration((0, 1, 0, 0, 0, 0), beta=1.0))
+    runner = TargetRunner(target, drafter.hidden_layers)
+    r = replay(runner, drafter, PROMPTS[0], 30, 6, [], [1, 4])
+    assert r["hits"] == {rule: {1: r["rounds"], 4: r["rounds"]} for rule in ("eq6", "calibrated")}
 
 
 def test_noisy_predictions_miss(target, sequences):
@@ -29,4 +39,4 @@ def test_noisy_predictions_miss(target, sequences):
     drafter.adapter.predict = lambda *a: predict(*a) + 5.0 * torch.randn(predict(*a).shape, generator=gen)
     runner = TargetRunner(target, drafter.hidden_layers)
     r = replay(runner, drafter, PROMPTS[0], 30, 6, [], [1, 64])
-    assert r["hits"][1] < r["rounds"] and r["hits"][1] <= r["hits"][64]
+    assert r["hits"]["eq6"][1] < r["rounds"] and r["hits"]["eq6"][1] <= r["hits"]["eq6"][64]

@@ -14,6 +14,7 @@ import torch
 from foresight.config import EngineConfig
 from foresight.models.decoder import ForesightDecoder
 from foresight.models.draft_model import DraftConfig, DraftModel, SharedWeights
+from foresight.drafter_worker.calibration import Calibration
 from foresight.drafter_worker.foresight import ForesightDrafter
 from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
 from foresight.drafter_worker.proposer import Draft, DraftContext
@@ -238,6 +239,13 @@ def test_make_proposer_picks_foresight_when_an_adapter_ships_beside_the_drafter(
         make_proposer(dataclasses.replace(cfg, decoder_layers=n))
     assert not make_proposer(EngineConfig(target=str(target_dir), drafter=str(tmp_path / "drafter"),
                                           adapter="none")).supports_foresight
+    assert with_foresight.calibration is None  # none fit for this adapter: Eq. 6 scores
+    fit = Calibration((0.1, 0.2, 0.3, 0.4, 0.5, 0.6), beta=0.9, source="test fit")
+    fit.save(tmp_path / "drafter" / "adapter" / "calibration.json")
+    assert make_proposer(cfg).calibration == fit  # "auto": the one beside the adapter
+    assert make_proposer(dataclasses.replace(cfg, calibration="none")).calibration is None
+    with pytest.raises(ConfigError, match="calibration: .* does not exist"):
+        make_proposer(dataclasses.replace(cfg, calibration=str(tmp_path / "missing.json")))
 
 
 def test_select_scores_under_the_requests_sampling(target, sequences):
@@ -259,3 +267,16 @@ def test_select_scores_under_the_requests_sampling(target, sequences):
     assert (first.k, first.a) == (len(block), int(logits[2].argmax()))
     exact = drafter.select(logits, block, 4, 0.0, SamplingParams(temperature=0.0))[0]
     assert (exact.k, exact.a) == (0, int(logits[0].argmax()))  # exact greedy rejects the runner-up
+
+
+def test_a_calibration_reranks_the_outcomes(target, sequences):
+    """With a calibration the calibrated scores rank the cache: weights that make every draft near-surely
+    rejected put the outcomes at k = 0 first; `calibrated=False` keeps Eq. 6 (as the replay compares)."""
+    pessimist = Calibration((0.0, 0.0, 0.0, 0.0, 0.0, -8.0), beta=1.0)
+    drafter = make_drafter(target, sequences, calibration=pessimist)
+    logits = torch.randn(4, target.config.vocab_size, generator=torch.Generator().manual_seed(5)) * 8  # peaked
+    block = logits[:3].argmax(-1).tolist()  # every draft the decoder's top token: Eq. 6 favours long outcomes
+    calibrated = drafter.select(logits, block, 4, 1.0, confidence=[0.9, 0.9, 0.9])
+    assert {o.k for o in calibrated} == {0}
+    eq6 = drafter.select(logits, block, 4, 1.0, calibrated=False)
+    assert eq6 != calibrated and any(o.k > 0 for o in eq6)

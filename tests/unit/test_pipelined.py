@@ -88,7 +88,7 @@ class UnendingForesight(OracleForesight):
         super().__init__(model)
         self.interrupted = self.overran = 0
 
-    def foresee(self, ctx, block, max_drafts, budget_s, stop=None):
+    def foresee(self, ctx, block, max_drafts, budget_s, stop=None, confidence=()):
         import time
 
         entries = super().foresee(ctx, block, max_drafts, budget_s)
