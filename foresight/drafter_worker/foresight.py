@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..config import ConfigError, EngineConfig
+from ..config import REFINEMENTS, ConfigError, EngineConfig
 from ..protocol.messages import SamplingParams
 from ..target_worker.sampling import target_probs
 from ..target_worker.verification import in_nucleus
@@ -55,7 +55,7 @@ from ..models.draft_model import ContextKV, DraftModel, SharedWeights, draw_nois
 from .jetspec_proposer import DraftModelState, JetSpecProposer, load_drafter_target
 from .outcomes import Outcome, outcome_scores, select_outcomes
 from .proposer import Draft, DraftContext
-from .refinement import MODES, Refiner, row_contexts
+from .refinement import Refiner, row_contexts
 from .speculation_cache import CacheEntry
 
 __all__ = ["ForesightDrafter"]
@@ -107,8 +107,8 @@ class ForesightDrafter:
             raise ValueError("foresight needs both an adapter and a decoder (use JetSpecProposer without them)")
         if cache_size < 1:
             raise ValueError("cache_size must be >= 1")
-        if refinement not in MODES or (refreshes is not None and refreshes < 0):
-            raise ValueError(f"refinement must be one of {MODES} and refreshes >= 0")
+        if refinement not in REFINEMENTS or (refreshes is not None and refreshes < 0):
+            raise ValueError(f"refinement must be one of {REFINEMENTS} and refreshes >= 0")
         self.model, self.adapter, self.decoder = model, adapter, decoder
         self.cache_size = cache_size
         self.passes = model.config.default_passes if passes is None else passes
@@ -324,8 +324,8 @@ class ForesightDrafter:
         if max_drafts <= 0:
             return []
         mode = ctx.refinement or self.refinement  # the request's, else the engine's
-        if mode not in MODES:
-            raise ValueError(f"refinement must be one of {', '.join(MODES)} (got {mode!r})")
+        if mode not in REFINEMENTS:
+            raise ValueError(f"refinement must be one of {', '.join(REFINEMENTS)} (got {mode!r})")
         t0 = time.perf_counter()
         state = self._absorb(ctx)
         if state.draft is None:

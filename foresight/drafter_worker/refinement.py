@@ -24,12 +24,11 @@ from typing import Callable, Protocol
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from ..config import REFINEMENTS
 from ..models.draft_model import ContextKV, DraftModel
 from .budget import StepCosts
 
-__all__ = ["MODES", "Refiner", "RowDrafter", "row_contexts"]
-
-MODES = ("none", "refresh", "anchor")
+__all__ = ["Refiner", "RowDrafter", "row_contexts"]
 
 
 def row_contexts(model: DraftModel, base: ContextKV | None, n: int, states: torch.Tensor,
@@ -78,8 +77,8 @@ class Refiner:
         """drafts [B, m]: the rows' current drafts (after J0 and `passes` plain passes); rows: the drafter
         over the request's true context; confidence [B, m]: the draft model's top-1 probability of each
         draft (the verify-length controller's evidence), dropped for a row once refinement edits it."""
-        if mode not in MODES:
-            raise ValueError(f"refinement must be one of {', '.join(MODES)} (got {mode!r})")
+        if mode not in REFINEMENTS:
+            raise ValueError(f"refinement must be one of {', '.join(REFINEMENTS)} (got {mode!r})")
         self.rows, self.y0, self.block = rows, y0, list(block)
         self.outcomes, self.mode = list(outcomes), mode
         self.drafts = drafts.detach().to("cpu", torch.long).clone()  # [B, m] full-vocab ids

@@ -19,7 +19,8 @@ from foresight.drafter_worker.budget import Plan, StepCosts, plan_round
 from foresight.drafter_worker.costs import RunningCost
 from foresight.models.draft_model import ContextKV, draw_noise
 from foresight.drafter_worker.proposer import DraftContext
-from foresight.drafter_worker.refinement import MODES, Refiner
+from foresight.config import REFINEMENTS as MODES
+from foresight.drafter_worker.refinement import Refiner
 from foresight.protocol import decode, encode
 from foresight.protocol.messages import GenerateRequest, RequestFailed, SamplingParams, StartDraft, TokenOutput
 from support.inprocess import InProcessEngine
