@@ -18,7 +18,7 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the 
 CHAT_SET = Path(__file__).with_name("data") / "chat.jsonl"
 # Held out from every evaluation set: only to fit the outcome-score calibration (calibrate-foresight).
 CALIBRATION_SET = Path(__file__).with_name("data") / "calibration.jsonl"
-NAMED_SETS = ("humaneval", "chat")
+NAMED_FILES = {"chat": CHAT_SET, "calibration": CALIBRATION_SET}  # `--prompts` names besides humaneval
 
 
 def load_prompts(source: str, limit: int | None = None) -> list[dict]:
@@ -27,8 +27,7 @@ def load_prompts(source: str, limit: int | None = None) -> list[dict]:
     if source == "humaneval":
         items = humaneval_prompts()
     else:
-        named = {"chat": CHAT_SET, "calibration": CALIBRATION_SET}
-        items = _read_jsonl(named.get(source, Path(source)))
+        items = _read_jsonl(NAMED_FILES.get(source, Path(source)))
     for i, item in enumerate(items):
         if not isinstance(item, dict) or not ({"prompt", "messages"} & item.keys()):
             raise ConfigError(f"prompts: line {i + 1} needs a 'prompt' or a 'messages' field")

@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 
 from ..config import ConfigError
-from .outcomes import OutcomeScores, _top_tokens
+from .outcomes import OutcomeScores, top_tokens
 
 __all__ = ["Calibration", "position_features", "calibrated_scores", "anchor_log_probs", "FEATURES"]
 
@@ -105,7 +105,7 @@ def anchor_log_probs(probs: torch.Tensor, draft: torch.Tensor, top: int = ANCHOR
     gamma = draft.shape[0]
     rows = probs.float().clone()  # [gamma+1, vocab]
     rows[torch.arange(gamma), draft] = 0.0
-    keep = _top_tokens(rows, min(top, rows.shape[-1])) & (rows > 0)  # [gamma+1, vocab]
+    keep = top_tokens(rows, min(top, rows.shape[-1])) & (rows > 0)  # [gamma+1, vocab]
     return torch.where(keep, torch.log(rows.clamp_min(1e-30)), torch.full_like(rows, -math.inf))
 
 

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["OutcomeScores", "Outcome", "outcome_scores", "select_outcomes", "hit_probability"]
+__all__ = ["OutcomeScores", "Outcome", "outcome_scores", "select_outcomes", "top_tokens", "hit_probability"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +92,7 @@ def select_outcomes(scores: OutcomeScores, B: int, top_per_row: int | None = 32)
     anchor = scores.anchor  # [gamma+1, vocab]
     n_rows, vocab = anchor.shape
     n_top = vocab if top_per_row is None else min(vocab, top_per_row)
-    keep = _top_tokens(anchor, n_top)  # bool [gamma+1, vocab], exactly n_top per row
+    keep = top_tokens(anchor, n_top)  # bool [gamma+1, vocab], exactly n_top per row
     k, a = keep.nonzero(as_tuple=True)  # [n_rows * n_top]  ordered by (k, a)
     cand = scores.prefix[k] * anchor[k, a]  # [n_rows * n_top]  P(k, a)
     # A stable descending sort keeps the (k, a) order among equal scores.
@@ -101,7 +101,7 @@ def select_outcomes(scores: OutcomeScores, B: int, top_per_row: int | None = 32)
     return [Outcome(int(kk), int(aa), s) for kk, aa, s in picked if s > 0.0]
 
 
-def _top_tokens(rows: torch.Tensor, n_top: int) -> torch.Tensor:
+def top_tokens(rows: torch.Tensor, n_top: int) -> torch.Tensor:
     """The n_top largest entries of each row, ties at the cut-off broken by smaller index.  bool [R, V]
 
     torch.topk picks among equal values arbitrarily; here every token strictly above the row's
