@@ -64,6 +64,11 @@ class EngineConfig:
     refinement: str = "anchor"  # pipelined: "none" (passes only) | "refresh" | "anchor" (refresh + anchor replacement)
     foresight_budget: bool = True  # pipelined: fit B, J, R into the verify time; False: always the caps (ablations)
     max_model_len: int | None = None  # None = the target's own context length
+    # Many requests at once: one target forward verifies every ready request's block ("batched steps";
+    # targets with sliding-window or linear-attention layers step one request per forward), and a prompt
+    # is prefilled in chunks of at most this many tokens per step, between the other requests' blocks.
+    batched_steps: bool = True
+    max_num_batched_tokens: int = 256
     model_name: str | None = None  # served name; None = folder name of the target
     seed: int = 0
 
@@ -91,6 +96,8 @@ class EngineConfig:
         if self.draft_refreshes is not None and self.draft_refreshes < 0:
             raise ConfigError("draft_refreshes must be >= 0")
         _check_choice("refinement", self.refinement, REFINEMENTS)
+        if self.max_num_batched_tokens < self.block_size:
+            raise ConfigError("max_num_batched_tokens must be >= block_size (one verify block per step)")
 
     @property
     def gamma(self) -> int:
@@ -215,6 +222,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="pipelined: fit outcomes, passes and refreshes into the measured verify time "
                         "(--no-foresight-budget: always --cache-size, --draft-passes, --draft-refreshes)")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    g.add_argument("--batched-steps", default=d.batched_steps, action=argparse.BooleanOptionalAction,
+                   help="one target forward verifies every ready request's block (--no-batched-steps: one "
+                        "request per forward, round-robin)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens one target step processes at most: prompts are prefilled in chunks of this size "
+                        "between other requests' verify blocks")
     g.add_argument("--served-model-name", dest="model_name", default=d.model_name)
     g.add_argument("--seed", type=int, default=d.seed)
 
