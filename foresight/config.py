@@ -122,8 +122,12 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    max_running: int = 16  # requests the target interleaves at once
-    max_waiting: int = 64  # beyond this the api answers 429
+    max_num_seqs: int = 16  # requests the target interleaves at once (vLLM's name; --max-running is an alias)
+    # Admission by memory: every running request reserves its worst-case KV footprint, len(prompt) +
+    # max_tokens (at most max_model_len), until it ends; a request waits, first come first served, until
+    # a sequence slot and its reservation both fit. None = no token budget (only max_num_seqs bounds it).
+    max_kv_tokens: int | None = None
+    max_waiting: int = 64  # requests waiting for admission; beyond this the api answers 429
     startup_timeout_s: float = 600.0
     max_restarts: int = 5  # per worker within restart_window_s; past that the api exits non-zero
     restart_window_s: float = 600.0
@@ -145,8 +149,13 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError("port must lie in 1..65535")
-        if self.max_running < 1 or self.max_waiting < 0:
-            raise ConfigError("max_running must be >= 1 and max_waiting >= 0")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs (--max-num-seqs) must be >= 1 (got {self.max_num_seqs})")
+        if self.max_waiting < 0:
+            raise ConfigError(f"max_waiting (--max-waiting) must be >= 0 (got {self.max_waiting})")
+        if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
+            raise ConfigError(f"max_kv_tokens (--max-kv-tokens) must be >= 1 tokens, or unset for no budget "
+                              f"(got {self.max_kv_tokens})")
         if self.max_request_bytes < 1024:
             raise ConfigError("max_request_bytes must be >= 1024")
         if not 0.0 <= self.request_timeout_s < float("inf"):
@@ -243,8 +252,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("api")
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port)
-    g.add_argument("--max-running", type=int, default=d.max_running)
-    g.add_argument("--max-waiting", type=int, default=d.max_waiting)
+    g.add_argument("--max-num-seqs", "--max-running", dest="max_num_seqs", type=int, default=d.max_num_seqs,
+                   help=f"requests running in the target at once; others wait (default {d.max_num_seqs}; "
+                        "--max-running is the old name)")
+    g.add_argument("--max-kv-tokens", type=int, default=d.max_kv_tokens,
+                   help="KV-cache token budget: each running request reserves len(prompt) + max_tokens until it "
+                        "ends, and a request waits (first come first served) until its reservation fits; one "
+                        "larger than the whole budget gets 400 (default: no budget)")
+    g.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help=f"requests waiting for admission; beyond this the api answers 429 (default {d.max_waiting})")
     g.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s)
     g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    help="largest request body accepted; larger ones get 413 (default 4 MiB)")
@@ -275,7 +291,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def server_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerConfig:
     # The key may come from the environment so that it stays out of `ps` and shell history.
     api_key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
-    return ServerConfig(host=args.host, port=args.port, max_running=args.max_running,
+    return ServerConfig(host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
+                        max_kv_tokens=args.max_kv_tokens,
                         max_waiting=args.max_waiting, startup_timeout_s=args.startup_timeout,
                         max_request_bytes=args.max_request_bytes, request_timeout_s=args.request_timeout,
                         idle_timeout_s=args.idle_timeout,

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import DEFAULT_MODEL_NAME, ServerConfig
 from ..target_worker.loading import load_tokenizer, resolve_target
-from .engine_client import EngineClient
+from .engine_client import EngineClient, EngineUnavailable, KVBudgetExceeded, QueueFull
 from .errors import AsciiJSONResponse, error, internal_message
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, BodyLimit
@@ -45,16 +45,31 @@ def validation_error(exc: RequestValidationError):
     return error(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}", loc[0] if loc else None)
 
 
+class AdmittedStream(StreamingResponse):
+    """A stream of an admitted request: `on_close` runs however the response ends, also when its body never
+    started (a client gone at once), so the request's admission is always given back."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
     """`engine` and `tokenizer` are built from `cfg` unless given (the unit tests pass fakes)."""
     if tokenizer is None:
         tokenizer = load_tokenizer(resolve_target(cfg.engine.target))  # converts the embedded default once
     model_name = served_model_name(cfg)
     if engine is None:
-        engine = EngineClient(cfg.engine, cfg.max_running, cfg.max_waiting, cfg.startup_timeout_s,
+        engine = EngineClient(cfg.engine, cfg.max_num_seqs, cfg.max_waiting, cfg.startup_timeout_s,
                               cfg.max_restarts, ServerMetrics(model_name, max_draft_tokens=cfg.engine.gamma),
                               restart_window_s=cfg.restart_window_s, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                              stall_timeout_s=cfg.stall_timeout_s)
+                              stall_timeout_s=cfg.stall_timeout_s, max_kv_tokens=cfg.max_kv_tokens)
     metrics: ServerMetrics = engine.metrics
     drain = Drain(engine, cfg.drain_timeout_s)
     # The engine gave up (a worker's restart budget is spent): drain what still runs, then exit non-zero
@@ -152,9 +167,24 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
         except Exception:
             log.exception("request %s: preparing the prompt failed", rid)
             return error(500, internal_message(rid))
+        # Admission is decided here, before any stream starts: 400 for a request larger than the whole KV
+        # budget, 429 when the wait queue is full. The request then waits for its turn inside generate().
+        try:
+            engine.admit(request)
+        except KVBudgetExceeded as exc:
+            metrics.record_failure("bad_request")
+            return error(400, str(exc), exc.param)
+        except QueueFull:
+            metrics.record_failure("queue_full")
+            return error(429, f"the server is busy: {engine.waiting} requests are already waiting")
+        except EngineUnavailable:
+            return error(503, SHUTTING_DOWN if drain.draining else NOT_READY)
         job = Job(runner, body, request, chat, rid, deadline, timeout_s, cfg.idle_timeout_s or None)
         if body.stream:
-            return StreamingResponse(stream(job), media_type="text/event-stream")
-        return await complete(job, raw.is_disconnected)
+            return AdmittedStream(stream(job), lambda: engine.discard(rid), media_type="text/event-stream")
+        try:
+            return await complete(job, raw.is_disconnected)
+        finally:
+            engine.discard(rid)  # the admission of a request whose engine work never started
 
     return app

@@ -4,14 +4,24 @@ Used by the HTTP app and by the benchmark alike. One asyncio task reads everythi
 send (`recv_from_workers`) and dispatches by message type; each request reads its own queue. That
 reader is supervised: a message that cannot be handled is logged and dropped, and a reader that dies
 anyway is logged, counted as unhealthy, and started again (never a silent stall of every request).
+
+Admission (as vLLM's scheduler, first come first served): a request runs once a sequence slot
+(`max_num_seqs`) is free and its KV reservation fits the token budget (`max_kv_tokens`, None = none).
+The reservation is the request's worst-case footprint, len(prompt_ids) + max_tokens (at most the target's
+max_model_len), held until the request finishes, fails or is aborted. Requests wait in one FIFO: a
+later, smaller request never overtakes the head of the queue (no starvation of long requests). One
+larger than the whole budget is refused at once (`KVBudgetExceeded`, 400); beyond `max_waiting` waiting
+requests a new one is refused (`QueueFull`, 429). `admit()` decides that synchronously, so the HTTP
+app answers 400/429 before any stream starts; `generate()` then waits for the request's turn.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -59,6 +69,16 @@ class RequestError(RuntimeError):
         self.public = public
 
 
+class KVBudgetExceeded(RequestError):
+    """The request's KV reservation alone exceeds the whole --max-kv-tokens budget: it could never run.
+    The api answers 400 naming `max_tokens`."""
+
+    param = "max_tokens"
+
+    def __init__(self, message: str):
+        super().__init__(message, 400, public=True)
+
+
 @dataclass
 class _Failure:
     error: str
@@ -66,12 +86,28 @@ class _Failure:
     public: bool = False
 
 
+WAITING, RUNNING, DONE = "waiting", "running", "done"
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """One request's admission: waiting in the FIFO, running (holding a slot and `tokens`), or done."""
+
+    req_id: str
+    tokens: int  # its KV reservation
+    turn: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    state: str = WAITING
+
+
 class EngineClient:
-    def __init__(self, cfg: EngineConfig, max_running: int = 16, max_waiting: int = 64,
+    def __init__(self, cfg: EngineConfig, max_num_seqs: int = 16, max_waiting: int = 64,
                  startup_timeout_s: float = 600.0, max_restarts: int = 5, metrics=None, *,
-                 restart_window_s: float = 600.0, heartbeat_timeout_s: float = 5.0, stall_timeout_s: float = 300.0):
+                 restart_window_s: float = 600.0, heartbeat_timeout_s: float = 5.0, stall_timeout_s: float = 300.0,
+                 max_kv_tokens: int | None = None):
         self.cfg = cfg
         self.metrics = metrics
+        self.max_num_seqs = max_num_seqs
+        self.max_kv_tokens = max_kv_tokens  # None: no token budget
         self.max_waiting = max_waiting
         self.admitting = True
         self._abort_reason: str | None = None  # set by abort_all: requests still queued fail too
@@ -82,9 +118,10 @@ class EngineClient:
         self.send_to_target = AsyncMessageSocket(self.ctx, zmq.PUSH, self.addrs.api_to_target, bind=True)
         self.recv_from_workers = AsyncMessageSocket(self.ctx, zmq.PULL, self.addrs.workers_to_api, bind=True)
         self.queues: dict[str, asyncio.Queue] = {}
-        self.slots = asyncio.Semaphore(max_running)
-        self.running = 0
-        self.waiting = 0
+        self.running = 0  # requests holding a sequence slot
+        self.kv_reserved = 0  # KV tokens the running requests reserve
+        self._waitlist: deque[_Ticket] = deque()  # FIFO of requests waiting for admission
+        self._tickets: dict[str, _Ticket] = {}  # admitted by admit(), not yet claimed by generate()
         self._ids = itertools.count()
         hooks = Hooks(state_changed=self._worker_state, restarted=self._worker_restart,
                       target_lost=self._fail_all, drafter_status=self._drafter_status, fatal=self._fatal)
@@ -98,6 +135,7 @@ class EngineClient:
             Heartbeat: self.supervisor.on_heartbeat,
             WorkerDead: self._on_dead,
         }
+        self._publish_queue()  # the budget, from the first scrape
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -108,6 +146,11 @@ class EngineClient:
                      swept.folders, swept.segments)
         self._start_reader()
         await self.supervisor.start()
+        max_len = self._max_model_len()
+        if self.max_kv_tokens is not None and max_len and self.max_kv_tokens < max_len:
+            log.warning("--max-kv-tokens %d is below the context length (%d): a request that asks for more "
+                        "(a request without max_tokens asks for the whole context) is refused with 400",
+                        self.max_kv_tokens, max_len)
 
     async def stop(self) -> None:
         """Stop the workers and leave nothing behind: sockets, their folder, shared memory."""
@@ -130,6 +173,10 @@ class EngineClient:
         return self._reader is not None and not self._reader.done()
 
     @property
+    def waiting(self) -> int:
+        return len(self._waitlist)
+
+    @property
     def in_flight(self) -> int:
         return self.running + self.waiting
 
@@ -147,6 +194,9 @@ class EngineClient:
             status = "degraded" if self.supervisor.degraded else "ok"
         return {"status": status, "workers": self.worker_pids(), "worker_state": self.supervisor.report(),
                 "restarts": self.supervisor.restarts, "in_flight": self.in_flight,
+                "running": self.running, "waiting": self.waiting, "max_num_seqs": self.max_num_seqs,
+                "max_waiting": self.max_waiting,
+                "kv_tokens": {"reserved": self.kv_reserved, "budget": self.max_kv_tokens},
                 "reader": "running" if self.reading else "stopped"}
 
     def target_info(self) -> dict:
@@ -164,32 +214,92 @@ class EngineClient:
         return f"{prefix}-{next(self._ids)}"
 
     def can_admit(self) -> bool:
-        return not (self.waiting >= self.max_waiting and self.slots.locked())
+        """Whether a new request could still queue (a cheap check before tokenizing; admit() decides)."""
+        return self.waiting < self.max_waiting or (not self._waitlist and self.running < self.max_num_seqs)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenOutput]:
-        """Yield the request's outputs until it finishes; abort it if the caller goes away."""
+    def _max_model_len(self) -> int | None:
+        return self.target_info().get("max_model_len") or self.cfg.max_model_len
+
+    def reservation(self, request: GenerateRequest) -> int:
+        """KV tokens `request` may fill at most: its prompt plus max_tokens, at most the context length."""
+        tokens = len(request.prompt_ids) + request.max_tokens
+        max_len = self._max_model_len()
+        return min(tokens, max_len) if max_len else tokens
+
+    def admit(self, request: GenerateRequest) -> None:
+        """Queue `request` for admission now, without waiting: it runs at once if nobody waits and a slot
+        and its KV reservation fit, else it joins the FIFO. Raises EngineUnavailable (503),
+        KVBudgetExceeded (400) or QueueFull (429). `generate(request)` then waits for its turn; a request
+        admitted here whose generate() never starts must be given back with `discard(req_id)`."""
+        self._tickets[request.req_id] = self._admit(request)
+
+    def discard(self, req_id: str) -> None:
+        """Give back the admission of a request that generate() never took over (no-op otherwise)."""
+        ticket = self._tickets.pop(req_id, None)
+        if ticket is not None:
+            self._finish(ticket)
+
+    def _admit(self, request: GenerateRequest) -> _Ticket:
         if not self.admitting:
             raise EngineUnavailable("the server is shutting down and admits no new requests")
         if not self.healthy:
             raise EngineUnavailable("the engine is not ready (starting, or a worker died)")
-        if not self.can_admit():
+        tokens = self.reservation(request)
+        if self.max_kv_tokens is not None and tokens > self.max_kv_tokens:
+            n_prompt = len(request.prompt_ids)
+            raise KVBudgetExceeded(
+                f"this request may need {tokens} KV-cache tokens ({n_prompt} in the prompt + max_tokens "
+                f"{request.max_tokens}), more than the server's whole KV budget of {self.max_kv_tokens} tokens "
+                f"(--max-kv-tokens); set max_tokens to at most {max(self.max_kv_tokens - n_prompt, 0)}")
+        ticket = _Ticket(request.req_id, tokens)
+        if not self._waitlist and self._fits(tokens):
+            self._run(ticket)
+        elif self.waiting >= self.max_waiting:
             raise QueueFull(f"too many requests waiting ({self.waiting})")
-        self.waiting += 1
+        else:
+            self._waitlist.append(ticket)
         self._publish_queue()
-        try:
-            await self.slots.acquire()
-        finally:
-            self.waiting -= 1
-        if self._abort_reason is not None:
-            self.slots.release()
-            self._publish_queue()
-            raise RequestError(self._abort_reason, 503, public=True)
+        return ticket
+
+    def _fits(self, tokens: int) -> bool:
+        return self.running < self.max_num_seqs and (
+            self.max_kv_tokens is None or self.kv_reserved + tokens <= self.max_kv_tokens)
+
+    def _run(self, ticket: _Ticket) -> None:
+        ticket.state = RUNNING
         self.running += 1
+        self.kv_reserved += ticket.tokens
+        if not ticket.turn.done():
+            ticket.turn.set_result(None)
+
+    def _finish(self, ticket: _Ticket) -> None:
+        """The request leaves (finished, failed, aborted, gone while waiting): free what it holds and let
+        the head of the queue in while it fits. Idempotent."""
+        if ticket.state == WAITING:
+            self._waitlist.remove(ticket)
+        elif ticket.state == RUNNING:
+            self.running -= 1
+            self.kv_reserved -= ticket.tokens
+        else:
+            return
+        ticket.state = DONE
+        while self._waitlist and self._fits(self._waitlist[0].tokens):
+            self._run(self._waitlist.popleft())
         self._publish_queue()
-        queue: asyncio.Queue = asyncio.Queue()
-        self.queues[request.req_id] = queue
-        finished = released = False
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenOutput]:
+        """Wait for the request's turn (admitting it first unless admit() did), then yield its outputs until
+        it finishes; abort it if the caller goes away. Its slot and KV reservation are freed on every exit."""
+        ticket = self._tickets.pop(request.req_id, None) or self._admit(request)
+        finished = admitted = False
         try:
+            if ticket.state == WAITING:
+                await ticket.turn
+            if ticket.state != RUNNING or self._abort_reason is not None:  # abort_all while it waited
+                raise RequestError(self._abort_reason or "the request was stopped before it ran", 503, public=True)
+            admitted = True
+            queue: asyncio.Queue = asyncio.Queue()
+            self.queues[request.req_id] = queue
             await self.send_to_target.send(request)
             while not finished:
                 item = await queue.get()
@@ -199,20 +309,15 @@ class EngineClient:
                 finished = item.finished
                 if finished:
                     # The worker is done: free the slot now, not when a slow client has read the rest.
-                    released = True
-                    self._release(request.req_id)
+                    self.queues.pop(request.req_id, None)
+                    self._finish(ticket)
                 yield item
         finally:
-            if not released:
-                self._release(request.req_id)
-            if not finished:
+            if admitted:
+                self.queues.pop(request.req_id, None)
+            self._finish(ticket)
+            if admitted and not finished:
                 await self.abort(request.req_id)
-
-    def _release(self, req_id: str) -> None:
-        self.queues.pop(req_id, None)
-        self.running -= 1
-        self.slots.release()
-        self._publish_queue()
 
     async def abort(self, req_id: str) -> None:
         try:
@@ -221,9 +326,15 @@ class EngineClient:
             pass
 
     async def abort_all(self, reason: str) -> None:
-        """Fail every admitted request with 503 and `reason` (shown to clients) and stop it in the target;
-        requests still queued for a slot fail as they get one."""
+        """Fail every request with 503 and `reason` (shown to clients): admitted ones are stopped in the
+        target, waiting ones leave the queue at once."""
         self._abort_reason = reason
+        while self._waitlist:
+            ticket = self._waitlist.popleft()
+            ticket.state = DONE
+            if not ticket.turn.done():
+                ticket.turn.set_result(None)
+        self._publish_queue()
         for req_id, queue in list(self.queues.items()):
             queue.put_nowait(_Failure(reason, 503, public=True))
             await self.abort(req_id)
@@ -312,3 +423,4 @@ class EngineClient:
     def _publish_queue(self) -> None:
         if self.metrics is not None:
             self.metrics.set_queue(self.running, self.waiting)
+            self.metrics.set_kv_tokens(self.kv_reserved, self.max_kv_tokens)

@@ -52,6 +52,11 @@ class ServerMetrics:
         # requests
         self.requests_running = gauge("requests_running", "Requests the target is generating for.").labels(m)
         self.requests_waiting = gauge("requests_waiting", "Requests queued in the api.").labels(m)
+        self.kv_tokens_reserved = gauge("kv_tokens_reserved",
+                                        "KV-cache tokens the running requests reserve (prompt + max_tokens each)."
+                                        ).labels(m)
+        self.kv_tokens_budget = gauge("kv_tokens_budget", "The KV-cache token budget (--max-kv-tokens); 0 = none."
+                                      ).labels(m)
         self._success = counter("request_success_total", "Finished requests.", "finished_reason")
         self._failure = counter("request_failure_total", "Failed or rejected requests.", "reason")
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens prefilled.").labels(m)
@@ -103,6 +108,11 @@ class ServerMetrics:
     def set_queue(self, running: int, waiting: int) -> None:
         self.requests_running.set(running)
         self.requests_waiting.set(waiting)
+
+    def set_kv_tokens(self, reserved: int, budget: int | None) -> None:
+        """Reserved KV tokens and the budget (None: no budget, exported as 0)."""
+        self.kv_tokens_reserved.set(reserved)
+        self.kv_tokens_budget.set(budget or 0)
 
     def record_prompt_tokens(self, n: int) -> None:
         self.prompt_tokens.inc(n)

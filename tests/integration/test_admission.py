@@ -20,7 +20,7 @@ def metric(base: str, prefix: str) -> float:
 
 
 def test_full_queue_is_429_and_disconnect_aborts(server_factory):
-    with server_factory("--max-running", "1", "--max-waiting", "0") as server:
+    with server_factory("--max-num-seqs", "1", "--max-waiting", "0") as server:
         # Hold the only slot with a streaming request, then drop the connection after a few chunks.
         with httpx.stream("POST", f"{server}/v1/completions", json={**LONG, "stream": True}, timeout=120) as resp:
             lines = resp.iter_lines()

@@ -90,6 +90,12 @@ class FakeEngine:
     def can_admit(self):
         return True
 
+    def admit(self, request):
+        pass
+
+    def discard(self, req_id):
+        pass
+
     @property
     def in_flight(self):
         return 0

@@ -473,7 +473,7 @@ def test_abort_all_fails_admitted_and_queued_requests_with_the_reason():
             self.sent.append(msg)
 
     async def go():
-        engine = EngineClient(EngineConfig(), max_running=1)
+        engine = EngineClient(EngineConfig(), max_num_seqs=1)
         engine.send_to_target.socket.close(linger=0)
         engine.send_to_target = Sink()
         engine.supervisor.workers["target"].state = UP

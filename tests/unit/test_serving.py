@@ -64,14 +64,14 @@ class RecordingSocket:
         pass
 
 
-def engine_client(max_running=1):
+def engine_client(max_num_seqs=1, **kwargs):
     import asyncio
     import shutil
     from pathlib import Path
 
     from foresight.server.engine_client import EngineClient
 
-    engine = EngineClient(EngineConfig(), max_running=max_running, max_waiting=4)
+    engine = EngineClient(EngineConfig(), max_num_seqs=max_num_seqs, **{"max_waiting": 4, **kwargs})
     engine.send_to_target.socket.close(linger=0)
     engine.send_to_target = RecordingSocket()
     engine.supervisor.workers["target"].state = "up"
@@ -114,9 +114,9 @@ def test_slot_is_freed_when_the_worker_finishes_not_when_the_client_reads():
                                                                 finish_reason="length"))
             assert first.finished
             # The consumer has not come back for more (a slow client): the slot is free already.
-            assert engine.running == 0 and not engine.slots.locked() and "r1" not in engine.queues
+            assert engine.running == 0 and engine.kv_reserved == 0 and "r1" not in engine.queues
             await gen.aclose()
-            assert engine.running == 0 and engine.slots._value == 1
+            assert engine.running == 0 and engine.kv_reserved == 0 and engine.in_flight == 0
             assert not any(isinstance(m, AbortRequest) for m in engine.send_to_target.sent)
         finally:
             close()
@@ -136,7 +136,7 @@ def test_leaving_an_unfinished_request_aborts_it_and_frees_the_slot():
             await asyncio.sleep(0)
             second.cancel()  # what the api does when the client leaves or the time is up
             await asyncio.wait({second})
-            assert engine.running == 0 and engine.slots._value == 1
+            assert engine.running == 0 and engine.kv_reserved == 0 and engine.in_flight == 0
             assert [m.req_id for m in engine.send_to_target.sent if isinstance(m, AbortRequest)] == ["r1"]
         finally:
             close()
