@@ -23,6 +23,8 @@ from torch import nn
 # How the target's logits are computed when it runs in bf16/fp16: "model" (its own head, low precision),
 # "fp32" (final norm + LM head in fp32), "fp32-top" (its own head, then the near-maximum entries in fp32).
 LOGIT_PRECISIONS = ("model", "fp32", "fp32-top")
+# Positions of a batched forward, as (row indices [n], position indices [n]).
+Selection = tuple[torch.Tensor, torch.Tensor]
 
 
 class Fp32LogitHead:
@@ -48,19 +50,20 @@ class Fp32LogitHead:
     def _capture(self, module, args, output) -> None:
         self._captured = args[0]
 
-    def logits(self, keep: int) -> torch.Tensor:
-        """[keep, vocab] float32 logits for the last `keep` positions of the forward that just ran."""
-        logits = torch.nn.functional.linear(self._normed(keep), self.weight)
+    def logits(self, keep: int, select: Selection | None = None) -> torch.Tensor:
+        """[keep, vocab] float32 logits for the last `keep` positions of the forward that just ran
+        (of a batched forward: the positions `select` names)."""
+        logits = torch.nn.functional.linear(self._normed(keep, select), self.weight)
         return self._softcap(logits)
 
-    def refine(self, low: torch.Tensor) -> torch.Tensor:
+    def refine(self, low: torch.Tensor, select: Selection | None = None) -> torch.Tensor:
         """fp32 logits where they decide: `low` [keep, vocab] (the model's own low-precision logits)
         upcast, with every token whose low-precision logit lies within a window of its row's maximum
         recomputed in fp32 from its own weight row. The argmax then equals the full fp32 head's
         whenever the window exceeds twice the low-precision rounding error; other entries keep their
         low-precision values."""
         keep = low.shape[0]
-        normed = self._normed(keep)  # [keep, hidden]
+        normed = self._normed(keep, select)  # [keep, hidden]
         out = low.float()
         top = out.max(-1, keepdim=True).values  # [keep, 1]
         candidates = out >= top - self.window_rel * top.abs()  # [keep, vocab]
@@ -69,8 +72,9 @@ class Fp32LogitHead:
         out[rows, cols] = self._softcap(exact)
         return out
 
-    def _normed(self, keep: int) -> torch.Tensor:
-        hidden = self._captured[0, -keep:].float()  # [keep, hidden]
+    def _normed(self, keep: int, select: Selection | None) -> torch.Tensor:
+        captured = self._captured  # [batch, positions, hidden]
+        hidden = (captured[select] if select is not None else captured[0, -keep:]).float()  # [keep, hidden]
         self._captured = None
         return self.norm(hidden)
 

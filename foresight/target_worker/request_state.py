@@ -15,7 +15,9 @@ class RequestState:
     request: GenerateRequest
     mode: str  # config.MODES
     generator: torch.Generator
-    cache: object = None  # DynamicCache once prefilled
+    cache: object = None  # DynamicCache once the prefill started
+    prefill_pos: int = 0  # prompt tokens in the cache: a long prompt is prefilled in chunks, one per step
+    prefill_hidden: list[torch.Tensor] = field(default_factory=list)  # the chunks' target states, for StartDraft
     output_ids: list[int] = field(default_factory=list)
     round: int = 0  # the round whose block we wait for (0 = prefill pending)
     anchor: int | None = None  # newest committed token, not yet in the cache
@@ -49,7 +51,7 @@ class RequestState:
 
     @property
     def prefilled(self) -> bool:
-        return self.cache is not None
+        return self.prefill_pos >= len(self.request.prompt_ids)
 
     def awaits_block(self) -> bool:
         """Does the current round verify a block from the drafter (not a plain step or local prompt lookup)?"""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from .batched_kv import BatchedKV, batchable
 from .linear_rollback import LinearSnapshot, LinearStateRollback
 from .logit_head import LOGIT_PRECISIONS, Fp32LogitHead, needs_fp32_head
 
@@ -97,6 +98,49 @@ class TargetRunner:
     def verify(self, cache: DynamicCache, anchor: int, draft: list[int]) -> ForwardResult:
         """Score `[anchor, d_1..d_gamma]`: row i is the target's distribution after d_i (row 0 after the anchor)."""
         return self.forward(cache, [anchor, *draft], rollback=bool(draft))
+
+    @property
+    def batches_requests(self) -> bool:
+        """Whether requests' verify blocks can share a forward (`verify_batch`): full-attention layers only."""
+        return not self.has_sliding_layers and not self.linear and batchable(self.new_cache())
+
+    @torch.inference_mode()
+    def verify_batch(self, caches: list[DynamicCache], blocks: list[list[int]]) -> list[ForwardResult]:
+        """One forward over several requests' blocks (`[anchor, d_1..d_gamma]` each, lengths may differ):
+        result b is what `verify(caches[b], *blocks[b])` gives, up to float rounding. A forward that
+        raises leaves every cache as it was."""
+        lengths = [len(block) for block in blocks]
+        width = max(lengths)
+        kv = BatchedKV(caches, lengths, width)
+        ids = torch.tensor([block + block[-1:] * (width - len(block)) for block in blocks],
+                           dtype=torch.long, device=self.device)  # [B, L], right-padded
+        kwargs = {"output_hidden_states": self.hidden_layers} if self.hidden_layers else {}
+        snap = kv.snapshot()
+        try:
+            out = self.model.model(input_ids=ids, attention_mask=kv.attention_mask(self.device),
+                                   position_ids=kv.position_ids(self.device), cache=kv, use_cache=True, **kwargs)
+        except BaseException:
+            kv.restore(snap)
+            raise
+        rows = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], device=self.device)  # [N]
+        cols = torch.tensor([i for n in lengths for i in range(n)], device=self.device)  # [N]
+        logits = self._logits_at(out.last_hidden_state[rows, cols], (rows, cols)).split(lengths)  # [n_b, vocab]
+        hidden = [None] * len(blocks)
+        if self.hidden_layers:
+            states = torch.cat([out.hidden_states[i] for i in self.hidden_layers], dim=-1)  # [B, L, n_layers * hidden]
+            hidden = [states[b, :n] for b, n in enumerate(lengths)]
+        return [ForwardResult(logits=lg, hidden=h) for lg, h in zip(logits, hidden)]
+
+    def _logits_at(self, normed: torch.Tensor, select) -> torch.Tensor:
+        """[N, vocab] float32 logits from the final-norm outputs `normed` [N, hidden] of a batched forward,
+        in this runner's logit precision (`select`: where they came from, for the fp32 head)."""
+        if self.logit_precision == "fp32":
+            return self.head.logits(len(normed), select)
+        low = self.model.get_output_embeddings()(normed)  # [N, vocab]
+        if self.logit_precision == "fp32-top":
+            return self.head.refine(low, select)
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        return (torch.tanh(low / softcap) * softcap if softcap else low).float()
 
     def rollback(self, cache: DynamicCache, rejected: int, result: ForwardResult) -> None:
         """Drop the last `rejected` positions (the drafts verification did not accept).

@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -78,6 +79,10 @@ class TargetWorker:
         self.lookup = LocalLookup(cfg)
         self.busy_s = 0.0  # seconds spent in steps so far, all requests (a round's own time excludes others')
         self.runner = runner
+        self.batching = cfg.batched_steps and runner.batches_requests
+        if cfg.batched_steps and not self.batching:
+            log.info("batched steps off: the target has sliding-window or linear-attention layers, whose "
+                     "caches cannot share a padded forward; one request per forward")
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.recv_from_api = MessageSocket(ctx, zmq.PULL, addrs.api_to_target, bind=False)
@@ -116,16 +121,18 @@ class TargetWorker:
             self.heartbeats.turn()
             self.drain(self.recv_from_api)
             self.drain(self.recv_from_drafter)
-            state = self.next_ready()
-            if state is None:
+            plan = self.plan_step()
+            if plan is None:
                 self.poller.poll(IDLE_POLL_MS)
                 continue
             if self.threads is not None:
                 self.threads.use(drafter_busy=self.drafter_still_busy())
             t0 = time.perf_counter()
-            self.step(state)
+            self.run_step(plan)
             self.busy_s += time.perf_counter() - t0
-            state.round_started_at, state.busy_mark = time.perf_counter(), self.busy_s
+            now = time.perf_counter()
+            for state in plan.members():
+                state.round_started_at, state.busy_mark = now, self.busy_s
 
     def drafter_still_busy(self) -> bool:
         """Whether the next step must leave the drafter its threads. A request that just switched to a
@@ -144,6 +151,17 @@ class TargetWorker:
         while (msg := sock.recv_nowait()) is not None:
             self.handlers[type(msg)](msg)
 
+    def plan_step(self) -> StepPlan | None:
+        """What the next step runs. Batched: every ready request's round in one forward, then the oldest
+        pending prompt's next chunk. Otherwise one request, round-robin: its prefill chunk or its round."""
+        if not self.batching:
+            state = self.next_ready()
+            return None if state is None else StepPlan.of(state)
+        ready = [s for s in self.requests.values() if s.ready()]
+        rounds = [s for s in ready if s.prefilled]
+        prefill = next((s for s in ready if not s.prefilled), None)
+        return StepPlan(rounds, prefill) if rounds or prefill is not None else None
+
     def next_ready(self) -> RequestState | None:
         """Round-robin: the first ready request is moved to the back of the queue."""
         for req_id, state in self.requests.items():
@@ -153,15 +171,30 @@ class TargetWorker:
         return None
 
     def step(self, state: RequestState) -> None:
+        """One step of one request alone: its next prefill chunk, or its round."""
+        self.run_step(StepPlan.of(state))
+
+    def run_step(self, plan: StepPlan) -> None:
+        if plan.rounds:
+            self.run_rounds(plan.rounds)
+        if plan.prefill is not None and plan.prefill.req_id in self.requests:
+            # The verify blocks come first; the prompt gets what is left of the step's token budget.
+            budget = max(self.cfg.block_size,
+                         self.cfg.max_num_batched_tokens - len(plan.rounds) * self.cfg.block_size)
+            self.guarded(plan.prefill, self.prefill, plan.prefill, budget)
+
+    def guarded(self, state: RequestState, fn, *args) -> None:
+        """Run one request's part of a step; if it raises, that request fails alone."""
         try:
-            if not state.prefilled:
-                self.prefill(state)
-            else:
-                self.verify_round(state)
+            fn(*args)
         except Exception:  # one request's failure must not take the worker down
-            log.exception("request %s failed in the target worker", state.req_id)
-            self.drop(state.req_id)
-            self.send_to_api.send(RequestFailed(req_id=state.req_id, error=INTERNAL_ERROR))
+            self.fail(state)
+
+    def fail(self, state: RequestState) -> None:
+        """End a request whose step raised (called from the handler: the traceback goes to the log)."""
+        log.exception("request %s failed in the target worker", state.req_id)
+        self.drop(state.req_id)
+        self.send_to_api.send(RequestFailed(req_id=state.req_id, error=INTERNAL_ERROR))
 
     # ------------------------------------------------------------------ handlers
 
@@ -229,15 +262,26 @@ class TargetWorker:
 
     # ------------------------------------------------------------------ one step of a request
 
-    def prefill(self, state: RequestState) -> None:
+    def prefill(self, state: RequestState, budget: int) -> None:
+        """Feed the prompt's next chunk of at most `budget` tokens; after the last one, commit the first token
+        and start the drafter on the request."""
         req = state.request
-        state.cache = self.runner.new_cache()
-        result = self.runner.prefill(state.cache, req.prompt_ids)
+        if state.cache is None:
+            state.cache = self.runner.new_cache()
+        chunk = req.prompt_ids[state.prefill_pos: state.prefill_pos + budget]
+        result = self.runner.prefill(state.cache, chunk)
+        state.prefill_pos += len(chunk)
+        if result.hidden is not None:
+            state.prefill_hidden.append(result.hidden)
+        if not state.prefilled:
+            return
+        hidden = torch.cat(state.prefill_hidden) if state.prefill_hidden else None  # [prompt, n_layers * hidden]
+        state.prefill_hidden = []
         verdict = verify_block(result.logits, [], req.sampling, state.generator)
         if state.mode not in LOCAL_STRATEGIES:
             state.drafting = self.to_drafter(StartDraft(
                 req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.generator),
-                temperature=req.sampling.temperature, refinement=req.refinement, hidden=result.hidden,
+                temperature=req.sampling.temperature, refinement=req.refinement, hidden=hidden,
                 sampling=req.sampling))
         if state.mode == "auto" and state.drafting:
             state.choice = self.chooser.start(request_group(req.sampling.temperature))
@@ -245,22 +289,53 @@ class TargetWorker:
             state.strategy = "ngram"  # no drafter: the one strategy auto has left
         self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True)
 
-    def verify_round(self, state: RequestState) -> None:
-        req = state.request
+    def run_rounds(self, states: list[RequestState]) -> None:
+        """Verify the blocks of `states`' rounds: in one forward when batching, else one forward each."""
+        rounds = []
+        for state in states:
+            try:
+                rounds.append(self.round_drafts(state))
+            except Exception:
+                self.fail(state)
+        if len(rounds) > 1 and self.batching:
+            t0 = time.perf_counter()
+            try:
+                results = self.runner.verify_batch([r.state.cache for r in rounds],
+                                                   [[r.state.anchor, *r.draft] for r in rounds])
+            except Exception:  # find the request that fails, and let it fail alone
+                log.exception("a batched verify forward failed: verifying its %d requests one by one", len(rounds))
+            else:
+                verify_s = time.perf_counter() - t0
+                for r, result in zip(rounds, results):
+                    self.guarded(r.state, self.finish_round, r, result, verify_s)
+                return
+        for r in rounds:
+            self.guarded(r.state, self.verify_alone, r)
+
+    def round_drafts(self, state: RequestState) -> RoundDrafts:
+        """The drafts a round verifies: the drafter's block, or the target's own (none, or prompt lookup)."""
         with_drafts = state.awaits_block()
         draft = state.take_block() if with_drafts else self.local_drafts(state)
         exposed = state.block_received_at - state.outcome_sent_at if with_drafts else None
+        return RoundDrafts(state, draft, with_drafts, exposed)
+
+    def verify_alone(self, r: RoundDrafts) -> None:
         t0 = time.perf_counter()
-        result = self.runner.verify(state.cache, state.anchor, draft)
+        result = self.runner.verify(r.state.cache, r.state.anchor, r.draft)
+        self.finish_round(r, result, time.perf_counter() - t0)
+
+    def finish_round(self, r: RoundDrafts, result, verify_s: float) -> None:
+        """Apply the request's verification rule to its block's logits, crop what was rejected, commit."""
+        state, draft, req = r.state, r.draft, r.state.request
         verdict = verify_block(result.logits, draft, req.sampling, state.generator)
         self.runner.rollback(state.cache, len(draft) - verdict.accepted, result)
-        state.last_verify_s = time.perf_counter() - t0
+        state.last_verify_s = verify_s
         stats = RoundStats(drafted=len(draft), accepted=verdict.accepted, nucleus_extra=verdict.nucleus_extra,
-                           verify_s=state.last_verify_s, exposed_draft_s=exposed,
+                           verify_s=verify_s, exposed_draft_s=r.exposed,
                            cache_hit=state.block_cache_hit, passes=state.block_passes,
                            refreshes=state.block_refreshes, strategy=state.strategy)
-        if not with_drafts:
-            self.lookup.observe(len(draft), verdict.accepted, state.last_verify_s)
+        if not r.with_drafts:
+            self.lookup.observe(len(draft), verdict.accepted, verify_s)
         committed = draft[: verdict.accepted] + [verdict.token]
         hidden = result.hidden[: verdict.accepted + 1] if result.hidden is not None else None
         self.commit(state, committed, verdict.accepted, stats, hidden)
@@ -368,6 +443,32 @@ def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], strategies:
         max_len = cfg.max_model_len or model.config.max_position_embeddings
         TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),
                      tuple(auto_strategies), StepThreads.from_config(cfg)).run()
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step of the target: the rounds it verifies (one forward when batching) and a prompt chunk."""
+
+    rounds: list[RequestState]
+    prefill: RequestState | None = None
+
+    @classmethod
+    def of(cls, state: RequestState) -> "StepPlan":
+        """A step of one request alone."""
+        return cls(rounds=[state]) if state.prefilled else cls(rounds=[], prefill=state)
+
+    def members(self) -> list[RequestState]:
+        return self.rounds + ([self.prefill] if self.prefill is not None else [])
+
+
+@dataclass(slots=True)
+class RoundDrafts:
+    """What one request's round verifies."""
+
+    state: RequestState
+    draft: list[int]
+    with_drafts: bool  # a block from the drafter (else the target's own: none, or prompt lookup)
+    exposed: float | None  # seconds the target waited for that block
 
 
 def verify_block(logits: torch.Tensor, draft: list[int], sampling, generator: torch.Generator) -> Verdict:

@@ -13,7 +13,7 @@ def state(strategy: str, block: list[int] | None, prefilled: bool = True, drafti
     s = RequestState(request=GenerateRequest(req_id="r", prompt_ids=[1, 2], max_tokens=4,
                                                    sampling=SamplingParams()), mode="auto",
                      generator=torch.Generator(), drafting=drafting, strategy=strategy, block=block)
-    s.cache = object() if prefilled else None
+    s.prefill_pos = 2 if prefilled else 0
     return s
 
 

@@ -1,0 +1,185 @@
+"""Many requests in one target step: one forward over every ready request's block, prompts prefilled in
+chunks between them. Served together, requests must give what they give alone (fp32)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from foresight.config import EngineConfig
+from foresight.protocol.messages import AbortRequest, GenerateRequest, SamplingParams, TokenOutput
+from foresight.target_worker.runner import TargetRunner
+from support.inprocess import InProcessEngine
+from support.tiny_models import plain_greedy, tiny_model
+
+torch.set_num_threads(1)
+
+# Repeated n-grams: prompt lookup lands some drafts and misses others, so accept lengths differ per row.
+PROMPTS = [
+    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6],
+    [11, 12, 13, 11, 12, 13, 11, 12, 13, 40, 11, 12, 13, 11, 12, 13, 40],
+    [3, 17, 3, 17, 3, 17, 60, 61, 62, 3, 17, 3, 17, 60, 61],
+    [21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 21, 22, 23, 24, 25, 26],
+]
+CHUNK = 6  # max_num_batched_tokens: every prompt above is prefilled in several chunks
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def prefilled(runner: TargetRunner, prompt: list[int]):
+    cache = runner.new_cache()
+    runner.prefill(cache, prompt)
+    return cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_verify_batch_gives_what_each_verify_gives(arch):
+    model = tiny_model(arch)
+    runner = TargetRunner(model, hidden_layers=[1, 2])
+    blocks = [[7, 8, 9], [4], [1, 2, 3, 4, 5], [9, 9]]  # lengths differ: rows are padded
+    alone = []
+    for prompt, block in zip(PROMPTS, blocks):
+        cache = prefilled(runner, prompt)
+        alone.append((cache, runner.verify(cache, block[0], block[1:])))
+    caches = [prefilled(runner, p) for p in PROMPTS]
+    results = runner.verify_batch(caches, blocks)
+    for (cache_a, a), cache_b, b, block in zip(alone, caches, results, blocks):
+        assert b.logits.shape == a.logits.shape == (len(block), model.config.vocab_size)
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.hidden, a.hidden, atol=1e-5, rtol=1e-5)
+        assert cache_b.get_seq_length() == cache_a.get_seq_length()
+        for la, lb in zip(cache_a.layers, cache_b.layers):
+            torch.testing.assert_close(lb.keys, la.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lb.values, la.values, atol=1e-5, rtol=1e-5)
+    # The caches go on as usual: a crop, then a one-request verify.
+    for (cache_a, a), cache_b, b in zip(alone, caches, results):
+        runner.rollback(cache_a, 1, a)
+        runner.rollback(cache_b, 1, b)
+        torch.testing.assert_close(runner.verify(cache_b, 3, [4]).logits, runner.verify(cache_a, 3, [4]).logits,
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_batched_forward_leaves_every_cache_as_it_was(llama, monkeypatch):
+    runner = TargetRunner(llama)
+    caches = [prefilled(runner, p) for p in PROMPTS[:2]]
+    before = [[(layer.keys, layer.values) for layer in c.layers] for c in caches]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(llama.model.layers[1], "forward", broken)  # after layer 0 has written its KV
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.verify_batch(caches, [[1, 2], [3]])
+    for cache, layers in zip(caches, before):
+        assert all(layer.keys is k and layer.values is v for layer, (k, v) in zip(cache.layers, layers))
+
+
+def test_only_full_attention_targets_batch():
+    assert TargetRunner(tiny_model("llama")).batches_requests
+    assert not TargetRunner(tiny_model("gemma3")).batches_requests  # sliding-window layers
+    assert not TargetRunner(tiny_model("qwen3_5")).batches_requests  # linear-attention layers
+
+
+def spy_steps(engine: InProcessEngine) -> list[tuple[int, bool]]:
+    """Record (rounds verified, a prompt chunk too?) of every target step."""
+    steps, run_step = [], engine.target.run_step
+
+    def recording(plan):
+        steps.append((len(plan.rounds), plan.prefill is not None))
+        run_step(plan)
+
+    engine.target.run_step = recording
+    return steps
+
+
+@pytest.mark.parametrize("mode", ["ngram", "sync"])
+def test_requests_served_together_equal_plain_greedy(llama, mode):
+    engine = InProcessEngine(llama, EngineConfig(drafter="ngram", block_size=6, max_num_batched_tokens=CHUNK))
+    try:
+        steps = spy_steps(engine)
+        ids = [engine.submit(p, 40, mode=mode, temperature=0.0) for p in PROMPTS]
+        results = engine.collect(ids)
+    finally:
+        engine.close()
+    for rid, prompt in zip(ids, PROMPTS):
+        assert results[rid]["error"] is None
+        assert results[rid]["tokens"] == plain_greedy(llama, prompt, 40, eos=llama.config.eos_token_id)
+    assert any(rounds >= 2 for rounds, _ in steps), "no step verified two requests together"
+    assert any(rounds >= 1 and chunk for rounds, chunk in steps), "no prompt chunk shared a step with rounds"
+    accepted = {r.accepted for rid in ids for r in results[rid]["rounds"] if r.drafted}
+    assert len(accepted) >= 2, f"every block had the same accept length {accepted}: rows were never uneven"
+
+
+def test_sampled_requests_keep_their_seeds_when_served_together(llama):
+    engine = InProcessEngine(llama, EngineConfig(drafter="ngram", block_size=6, max_num_batched_tokens=CHUNK))
+    try:
+        sampling = dict(mode="sync", temperature=1.0, top_p=0.95)
+        alone = [engine.generate(p, 30, seed=100 + i, **sampling)["tokens"] for i, p in enumerate(PROMPTS)]
+        steps = spy_steps(engine)
+        ids = [engine.submit(p, 30, seed=100 + i, **sampling) for i, p in enumerate(PROMPTS)]
+        together = engine.collect(ids)
+    finally:
+        engine.close()
+    assert [together[rid]["tokens"] for rid in ids] == alone
+    assert any(rounds >= 2 for rounds, _ in steps)
+
+
+def test_a_failed_batched_forward_fails_no_request(llama, monkeypatch):
+    engine = InProcessEngine(llama, EngineConfig(drafter="ngram", block_size=6))
+    try:
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(engine.target.runner, "verify_batch", broken)
+        ids = [engine.submit(p, 20, mode="ngram", temperature=0.0) for p in PROMPTS]
+        results = engine.collect(ids)
+    finally:
+        engine.close()
+    for rid, prompt in zip(ids, PROMPTS):
+        assert results[rid]["error"] is None
+        assert results[rid]["tokens"] == plain_greedy(llama, prompt, 20, eos=llama.config.eos_token_id)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_5"])
+def test_chunked_prefill_equals_plain_greedy(arch):
+    """Chunks continue every kind of cache: full attention, sliding windows, linear-attention state."""
+    model = tiny_model(arch)
+    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=4, max_num_batched_tokens=4))
+    try:
+        prompt = PROMPTS[0] + PROMPTS[3]  # 42 tokens: 11 chunks, past the sliding window of 8
+        got = engine.generate(prompt, 24, mode="ngram", temperature=0.0)
+    finally:
+        engine.close()
+    assert got["error"] is None
+    assert got["tokens"] == plain_greedy(model, prompt, 24, eos=model.config.eos_token_id)
+
+
+def test_a_long_prompt_does_not_stop_other_streams(llama):
+    engine = InProcessEngine(llama, EngineConfig(drafter="ngram", block_size=4, max_num_batched_tokens=8))
+    try:
+        running = "running"
+        engine.send_to_target.send(GenerateRequest(req_id=running, prompt_ids=PROMPTS[0], max_tokens=200,
+                                                   sampling=SamplingParams(temperature=0.0), ignore_eos=True,
+                                                   mode="ar"))
+        while not isinstance(msg := engine.recv_from_workers.recv(timeout_ms=30000), TokenOutput):
+            assert msg is not None
+        long_prompt = (PROMPTS[1] * 8)[:128]  # 16 chunks of 8
+        late = engine.submit(long_prompt, 4, mode="ar", temperature=0.0)
+        outputs_meanwhile = 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            msg = engine.recv_from_workers.recv(timeout_ms=30000)
+            assert msg is not None
+            if isinstance(msg, TokenOutput) and msg.req_id == late:
+                break
+            if isinstance(msg, TokenOutput) and msg.req_id == running:
+                outputs_meanwhile += 1
+        engine.send_to_target.send(AbortRequest(req_id=running))
+    finally:
+        engine.close()
+    # One output of the running request per chunk of the long prompt (one prefill forward would allow one).
+    assert outputs_meanwhile >= 12, outputs_meanwhile
