@@ -11,7 +11,8 @@ MODEL = "tiny-model"
 
 # the metric names documented in docs/deploy.md, without the prefix
 DOCUMENTED_METRICS = [
-    "requests_running", "requests_waiting", "request_success_total", "prompt_tokens_total",
+    "requests_running", "requests_waiting", "kv_tokens_reserved", "kv_tokens_budget", "request_success_total",
+    "prompt_tokens_total",
     "generation_tokens_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
     "e2e_request_latency_seconds", "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
     "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total", "accept_length",
@@ -136,6 +137,10 @@ def test_request_lifecycle_and_workers(metrics):
     metrics.record_worker_restart("drafter")
     assert value(metrics, "requests_running") == 3
     assert value(metrics, "requests_waiting") == 2
+    metrics.set_kv_tokens(reserved=120, budget=None)
+    assert (value(metrics, "kv_tokens_reserved"), value(metrics, "kv_tokens_budget")) == (120, 0)
+    metrics.set_kv_tokens(reserved=0, budget=4096)
+    assert (value(metrics, "kv_tokens_reserved"), value(metrics, "kv_tokens_budget")) == (0, 4096)
     assert value(metrics, "prompt_tokens_total") == 17
     assert value(metrics, "generation_tokens_total") == 9
     assert value(metrics, "time_to_first_token_seconds_count") == 1
