@@ -39,6 +39,7 @@ class RequestState:
     block_passes: int = 0
     block_refreshes: int = 0
     last_verify_s: float = 0.0  # the drafter's foresight budget for the next round
+    others_share_s: float = 0.0  # of the last verify forward, the part charged to other requests of its batch
     outcome_sent_at: float = 0.0  # when we asked the drafter for `round`'s block
     block_received_at: float = 0.0
     arrived_at: float = field(default_factory=time.perf_counter)

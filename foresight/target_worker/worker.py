@@ -51,6 +51,7 @@ from .loading import load_target, resolve_dtype, resolve_target
 from .local_lookup import LocalLookup
 from .request_state import RequestState
 from .runner import TargetRunner
+from .step_cost import StepCost
 from .step_threads import StepThreads, drafter_busy, winding_down_only
 from .strategy_choice import LOCAL_STRATEGIES, StrategyChooser, request_group
 from .verification import Verdict, verify
@@ -77,6 +78,7 @@ class TargetWorker:
         self.strategies = LOCAL_STRATEGIES + tuple(s for s in strategies if s not in LOCAL_STRATEGIES)
         self.chooser = StrategyChooser(("ngram",) + tuple(auto_strategies))  # the drafter's own + local lookup
         self.lookup = LocalLookup(cfg)
+        self.step_cost = StepCost()  # what each request's part of a batched step costs
         self.busy_s = 0.0  # seconds spent in steps so far, all requests (a round's own time excludes others')
         self.runner = runner
         self.batching = cfg.batched_steps and runner.batches_requests
@@ -306,8 +308,10 @@ class TargetWorker:
                 log.exception("a batched verify forward failed: verifying its %d requests one by one", len(rounds))
             else:
                 verify_s = time.perf_counter() - t0
-                for r, result in zip(rounds, results):
-                    self.guarded(r.state, self.finish_round, r, result, verify_s)
+                lengths = [1 + len(r.draft) for r in rounds]
+                self.step_cost.observe(sum(lengths), verify_s)
+                for r, result, share_s in zip(rounds, results, self.step_cost.shares(lengths, verify_s)):
+                    self.guarded(r.state, self.finish_round, r, result, verify_s, share_s)
                 return
         for r in rounds:
             self.guarded(r.state, self.verify_alone, r)
@@ -322,20 +326,24 @@ class TargetWorker:
     def verify_alone(self, r: RoundDrafts) -> None:
         t0 = time.perf_counter()
         result = self.runner.verify(r.state.cache, r.state.anchor, r.draft)
-        self.finish_round(r, result, time.perf_counter() - t0)
+        verify_s = time.perf_counter() - t0
+        self.step_cost.observe(1 + len(r.draft), verify_s)
+        self.finish_round(r, result, verify_s, verify_s)
 
-    def finish_round(self, r: RoundDrafts, result, verify_s: float) -> None:
-        """Apply the request's verification rule to its block's logits, crop what was rejected, commit."""
+    def finish_round(self, r: RoundDrafts, result, verify_s: float, share_s: float) -> None:
+        """Apply the request's verification rule to its block's logits, crop what was rejected, commit.
+        `verify_s`: the forward's time; `share_s`: this request's part of it (StepCost)."""
         state, draft, req = r.state, r.draft, r.state.request
         verdict = verify_block(result.logits, draft, req.sampling, state.generator)
         self.runner.rollback(state.cache, len(draft) - verdict.accepted, result)
         state.last_verify_s = verify_s
+        state.others_share_s = verify_s - share_s
         stats = RoundStats(drafted=len(draft), accepted=verdict.accepted, nucleus_extra=verdict.nucleus_extra,
                            verify_s=verify_s, exposed_draft_s=r.exposed,
                            cache_hit=state.block_cache_hit, passes=state.block_passes,
                            refreshes=state.block_refreshes, strategy=state.strategy)
         if not r.with_drafts:
-            self.lookup.observe(len(draft), verdict.accepted, verify_s)
+            self.lookup.observe(len(draft), verdict.accepted, share_s)
         committed = draft[: verdict.accepted] + [verdict.token]
         hidden = result.hidden[: verdict.accepted + 1] if result.hidden is not None else None
         self.commit(state, committed, verdict.accepted, stats, hidden)
@@ -397,7 +405,8 @@ class TargetWorker:
         if state.choice is None:
             return state.mode
         if committed is not None:
-            own_s = (time.perf_counter() - state.round_started_at) - (self.busy_s - state.busy_mark)
+            own_s = (time.perf_counter() - state.round_started_at) - (self.busy_s - state.busy_mark) \
+                - state.others_share_s
             self.chooser.observe(state.choice, committed, own_s)
             self.chooser.advance(state.choice)
         return state.choice.current
