@@ -49,6 +49,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--refinement-ablation", default="",
                    help="also run pipelined mode with each of these self-refinement modes (e.g. none,refresh,anchor) "
                         "and report them side by side (section 'refinement')")
+    g.add_argument("--concurrency", default="",
+                   help="load benchmark instead of the in-process runs: start `foresight serve` per mode (with "
+                        "these engine flags) and stream from this many concurrent clients at each level, e.g. "
+                        "1,4,8,16 (section 'concurrency'; docs/benchmark.md, 'Load benchmark')")
+    g.add_argument("--load-requests", type=int, default=None,
+                   help="load benchmark: requests per concurrency level (default: max(2 x level, prompts))")
+    g.add_argument("--load-server-args", default="",
+                   help="load benchmark: extra `foresight serve` flags, e.g. '--max-num-seqs 8 --max-waiting 4'")
 
 
 @dataclass
@@ -356,6 +364,8 @@ def _cpuinfo() -> list[str]:
 
 
 def run_bench(args: argparse.Namespace, cfg: EngineConfig) -> int:
+    if getattr(args, "concurrency", ""):
+        return run_load_bench(args, cfg)
     report = asyncio.run(bench(args, cfg))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -364,4 +374,23 @@ def run_bench(args: argparse.Namespace, cfg: EngineConfig) -> int:
     shown = {k: report[k] for k in ("modes", "ratios", "nucleus", "refinement", "peers") if k in report}
     print(json.dumps(shown, indent=2))
     print(f"[bench] report: {out} (chart {out.with_suffix('.png')})")
+    return 0
+
+
+def run_load_bench(args: argparse.Namespace, cfg: EngineConfig) -> int:
+    """--concurrency: the load benchmark (bench/load.py) in place of the in-process runs."""
+    from .load import load_bench
+    from .report import write_load_chart
+
+    others = ["--" + f.replace("_", "-") for f in ("nucleus_thresholds", "peers", "refinement_ablation")
+              if getattr(args, f, "")]
+    if others:
+        raise ConfigError(f"--concurrency runs the load benchmark alone; run {', '.join(others)} without it")
+    report = asyncio.run(load_bench(args, cfg))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    write_load_chart(report, out.with_suffix(".png"))
+    print(json.dumps(report["concurrency"], indent=2))
+    print(f"[bench] load report: {out} (chart {out.with_suffix('.png')})")
     return 0

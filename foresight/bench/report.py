@@ -59,3 +59,35 @@ def write_quality_chart(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_load_chart(report: dict, path: Path) -> None:
+    """The load benchmark: aggregate tokens/s and ITL p50 against concurrency, one line per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    section = report["concurrency"]
+    levels = sorted(section, key=int)
+    modes = list(dict.fromkeys(m for level in levels for m in section[level]))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for mode in modes:
+        xs = [int(level) for level in levels if mode in section[level]]
+        for ax, key in ((ax1, "tokens_per_s"), (ax2, "itl_ms_p50")):
+            ys = [section[str(x)][mode][key] for x in xs]
+            ax.plot(xs, [y if y is not None else float("nan") for y in ys], marker="o", label=mode)
+    for ax, title in ((ax1, "aggregate output tokens / s"), (ax2, "inter-chunk latency p50 (ms)")):
+        ax.set_title(title)
+        ax.set_xlabel("concurrent clients")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([int(level) for level in levels], labels=levels)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    s = report["settings"]
+    fig.suptitle(f"{report['model']} | drafter {report['drafter']} | T={s['temperature']} | "
+                 f"max {s['max_tokens']} tokens | {s['n_prompts']} prompts", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
