@@ -2,21 +2,29 @@
 
 Each request keeps its own `DynamicCache` (rollback stays a per-request crop). For a batched forward,
 `BatchedKV` stands in for the cache: at every attention layer it lays each request's past keys/values
-and the new ones of its row side by side in one zero-padded tensor, returns that tensor to the
-attention, and hands each request a view of its own row as its updated layer. So the step copies each
-request's KV once per layer -- what `DynamicLayer.update`'s `torch.cat` costs a one-request step too.
+and the new ones of its row side by side in one padded tensor [B, kv_heads, columns, head_dim],
+returns that tensor to the attention, and hands each request a view of its own row as its updated
+layer.
 
 Row b of the batch feeds n_b tokens at positions T_b .. T_b + n_b - 1 (T_b = its cache length),
 right-padded to the longest row (L). Its keys sit at columns [0, T_b) (past) and [T_b, T_b + L)
 (new, padding included); query i attends to columns <= T_b + i, so a real query never sees padding
-(real queries are i < n_b, and columns T_b + n_b.. hold only padding). Padding queries compute
-garbage that nobody reads; their keys land beyond the view each request keeps.
+(real queries are i < n_b, and columns T_b + n_b.. hold only padding or stale keys). Padding queries
+compute garbage that nobody reads; their keys land beyond the view each request keeps.
+
+Steady state under load is the same requests step after step. Then the tensors of the previous step
+are reused: every request's layers are still views of its row, so only the new positions are written
+(in place, beyond each view's end: what a request holds is never changed). The tensors are allocated
+with SPARE_COLUMNS of room; a new batch composition, or a row outgrowing the room, lays them out anew
+(one copy of every request's past).
 """
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+SPARE_COLUMNS = 64  # room for the next steps' positions before the batch is laid out again
 
 
 def batchable(cache: DynamicCache) -> bool:
@@ -27,14 +35,32 @@ def batchable(cache: DynamicCache) -> bool:
 
 class BatchedKV:
     """The `cache` argument of one batched forward over `caches` (one per row), feeding `lengths[b]` real
-    tokens per row, padded to `width` new positions."""
+    tokens per row, padded to `width` new positions. `previous`: the last step's, whose tensors are
+    reused when the same requests step again and fit."""
 
-    def __init__(self, caches: list[DynamicCache], lengths: list[int], width: int):
+    def __init__(self, caches: list[DynamicCache], lengths: list[int], width: int,
+                 previous: "BatchedKV | None" = None):
         self.caches = caches
         self.lengths = lengths
         self.width = width  # L: new positions per row, padding included
         self.past = [c.get_seq_length() for c in caches]  # T_b
-        self.columns = max(self.past) + width  # W: key columns of the padded batch
+        self.columns = max(self.past) + width  # W: key columns the attention sees
+        if previous is not None and previous.continues_with(caches, self.columns):
+            self.tensors = previous.tensors  # per layer: (keys, values) [B, kv_heads, capacity, head_dim]
+            self.capacity = previous.capacity
+        else:
+            self.tensors = [None] * len(caches[0].layers)
+            self.capacity = self.columns + SPARE_COLUMNS
+        self.reused = self.tensors[0] is not None
+
+    def continues_with(self, caches: list[DynamicCache], columns: int) -> bool:
+        """Whether `caches` are this batch's rows, in order, each layer still a view of its row, with room."""
+        if len(caches) != len(self.caches) or any(a is not b for a, b in zip(caches, self.caches)):
+            return False
+        if self.tensors[0] is None or columns > self.capacity:
+            return False
+        return all(layer.keys.data_ptr() == keys[b].data_ptr() and layer.values.data_ptr() == values[b].data_ptr()
+                   for b, cache in enumerate(caches) for layer, (keys, values) in zip(cache.layers, self.tensors))
 
     def position_ids(self, device) -> torch.Tensor:
         """[B, L] the absolute position of every fed token (padding continues the count)."""
@@ -48,22 +74,32 @@ class BatchedKV:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states [B, kv_heads, L, head_dim]: the new positions of every row at `layer_idx`."""
-        batch, heads, _, dim = key_states.shape
-        keys = key_states.new_zeros(batch, heads, self.columns, dim)  # [B, kv_heads, W, head_dim]
-        values = value_states.new_zeros(batch, heads, self.columns, dim)
+        if self.tensors[layer_idx] is None:
+            self.tensors[layer_idx] = self._lay_out(key_states, value_states, layer_idx)
+        keys, values = self.tensors[layer_idx]  # [B, kv_heads, capacity, head_dim]
         for b, cache in enumerate(self.caches):
             layer, past = cache.layers[layer_idx], self.past[b]
-            if past:
-                keys[b, :, :past] = layer.keys[0]
-                values[b, :, :past] = layer.values[0]
             keys[b, :, past:past + self.width] = key_states[b]
             values[b, :, past:past + self.width] = value_states[b]
             end = past + self.lengths[b]
             layer.keys, layer.values = keys[b:b + 1, :, :end], values[b:b + 1, :, :end]  # [1, kv_heads, T_b + n_b, d]
+        return keys[:, :, :self.columns], values[:, :, :self.columns]  # [B, kv_heads, W, head_dim]
+
+    def _lay_out(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        """New tensors holding every row's past; zeros elsewhere (masked columns meet zero attention
+        weights, so they must hold finite numbers)."""
+        batch, heads, _, dim = key_states.shape
+        keys = key_states.new_zeros(batch, heads, self.capacity, dim)
+        values = value_states.new_zeros(batch, heads, self.capacity, dim)
+        for b, cache in enumerate(self.caches):
+            if self.past[b]:
+                layer = cache.layers[layer_idx]
+                keys[b, :, :self.past[b]] = layer.keys[0]
+                values[b, :, :self.past[b]] = layer.values[0]
         return keys, values
 
     def snapshot(self) -> list[list[tuple]]:
-        """References to every request's layers before the forward (DynamicLayer never writes in place)."""
+        """References to every request's layers before the forward (what they view is never rewritten)."""
         return [[(layer.keys, layer.values) for layer in c.layers] for c in self.caches]
 
     def restore(self, snap: list[list[tuple]]) -> None:

@@ -38,6 +38,7 @@ class TargetRunner:
             raise ValueError(f"logits must be one of {LOGIT_PRECISIONS}, got {logits!r}")
         self.logit_precision = logits if needs_fp32_head(model) else "model"
         self.head = Fp32LogitHead(model) if self.logit_precision != "model" else None
+        self.last_batch: BatchedKV | None = None  # the last batched forward's KV layout, reused while it fits
 
     @property
     def vocab_size(self) -> int:
@@ -111,7 +112,8 @@ class TargetRunner:
         raises leaves every cache as it was."""
         lengths = [len(block) for block in blocks]
         width = max(lengths)
-        kv = BatchedKV(caches, lengths, width)
+        kv = BatchedKV(caches, lengths, width, previous=self.last_batch)
+        self.last_batch = None
         ids = torch.tensor([block + block[-1:] * (width - len(block)) for block in blocks],
                            dtype=torch.long, device=self.device)  # [B, L], right-padded
         kwargs = {"output_hidden_states": self.hidden_layers} if self.hidden_layers else {}
@@ -122,6 +124,7 @@ class TargetRunner:
         except BaseException:
             kv.restore(snap)
             raise
+        self.last_batch = kv
         rows = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], device=self.device)  # [N]
         cols = torch.tensor([i for n in lengths for i in range(n)], device=self.device)  # [N]
         logits = self._logits_at(out.last_hidden_state[rows, cols], (rows, cols)).split(lengths)  # [n_b, vocab]
