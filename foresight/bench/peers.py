@@ -16,7 +16,7 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..protocol.messages import GenerateRequest
 from ..target_worker.loading import load_target, resolve_dtype, resolve_target
-from ..target_worker.worker import eos_ids
+from ..target_worker.steps import eos_ids
 
 PEER_KINDS = ("hf",)
 # Draft length of transformers' prompt lookup: short, as suits a small target whose verify cost grows

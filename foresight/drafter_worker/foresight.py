@@ -221,6 +221,22 @@ class ForesightDrafter:
         self._absorb(ctx, draft_only=True)
         return self.jetspec.propose(ctx, max_drafts, passes=0 if ctx.pipelined else self.passes)
 
+    def propose_batch(self, ctxs: list[DraftContext], max_drafts: list[int]) -> list[Draft]:
+        """`propose` for several requests in one draft-model pass per iteration (sync rounds and pipelined
+        misses take different numbers of passes: one batch each)."""
+        for ctx, wanted in zip(ctxs, max_drafts):
+            if wanted > 0:
+                self._absorb(ctx, draft_only=True)
+        drafts = [Draft()] * len(ctxs)
+        for pipelined in (False, True):
+            rows = [i for i, ctx in enumerate(ctxs) if ctx.pipelined == pipelined]
+            if rows:
+                got = self.jetspec.propose_batch([ctxs[i] for i in rows], [max_drafts[i] for i in rows],
+                                                 passes=0 if pipelined else self.passes)
+                for i, draft in zip(rows, got):
+                    drafts[i] = draft
+        return drafts
+
     # ------------------------------------------------------------------ foresight
 
     @torch.inference_mode()

@@ -114,6 +114,28 @@ class JetSpecProposer:
                                                       self.passes if passes is None else passes)
         return Draft(ids[-1][0].tolist(), probs[-1][0].tolist())
 
+    def propose_batch(self, ctxs: list[DraftContext], max_drafts: list[int], passes: int | None = None) -> list[Draft]:
+        """`propose` for several requests at once: one draft-model pass per Jacobi iteration for all of them.
+        Rows are right-padded to the longest block; the block attends causally, so padding never changes a
+        row's drafts, and each row draws its noise from its own generator as `propose` does."""
+        drafts = [Draft()] * len(ctxs)
+        rows = []  # (index, ctx, drafts wanted, state)
+        for i, (ctx, wanted) in enumerate(zip(ctxs, max_drafts)):
+            if wanted > 0 and (state := self.absorb(ctx)).ctx is not None:
+                rows.append((i, ctx, wanted, state))
+        if not rows:
+            return drafts
+        width = max(wanted for _, _, wanted, _ in rows)
+        noise = torch.zeros(len(rows), width - 1, dtype=torch.long)  # [B, width - 1]
+        for r, (_, ctx, wanted, state) in enumerate(rows):
+            noise[r, :wanted - 1] = draw_noise(ctx.tokens, wanted - 1, state.generator)
+        anchors = torch.tensor([ctx.tokens[-1] for _, ctx, _, _ in rows])  # [B]
+        ids, probs = self.model.draft_with_confidence([state.ctx for *_, state in rows], anchors, noise,
+                                                      self.passes if passes is None else passes)
+        for r, (i, _, wanted, _) in enumerate(rows):
+            drafts[i] = Draft(ids[-1][r, :wanted].tolist(), probs[-1][r, :wanted].tolist())
+        return drafts
+
     def absorb(self, ctx: DraftContext) -> DraftModelState:
         """Take the target states no proposer has absorbed yet (`ctx.hidden`) into the context K/V."""
         states = ctx.pending_hidden()  # [n, len(hidden_layers) * H_t]

@@ -48,6 +48,16 @@ class ForesightJob:
     max_drafts: int
 
 
+@dataclass(slots=True)
+class BlockAsk:
+    """An outcome that wants a freshly drafted block (no speculation-cache hit)."""
+
+    ctx: DraftContext
+    proposer: Proposer
+    max_drafts: int
+    started: float  # when its outcome was taken in: the block's drafting time counts from here
+
+
 def why_no_foresight(cfg: EngineConfig) -> str | None:
     """Why `make_proposer(cfg)` would build no foresight drafter (None: it would), decided from the
     checkpoint folders alone: no model is loaded."""
@@ -120,9 +130,29 @@ class DrafterWorker:
             self.heartbeats.turn()
             msg = self.recv_from_target.recv(timeout_ms=0 if self.jobs else IDLE_POLL_MS)
             if msg is not None:
-                self.handlers[type(msg)](msg)
+                self.handle([msg, *self.waiting_messages()])
             elif self.jobs:
                 self.run_foresight(self.jobs.popleft())
+
+    def waiting_messages(self) -> list:
+        msgs = []
+        while (msg := self.recv_from_target.recv_nowait()) is not None:
+            msgs.append(msg)
+        return msgs
+
+    def handle(self, msgs: list) -> None:
+        """Messages in arrival order. The fresh blocks their outcomes ask for are drafted after all of them,
+        together: a batched target step reports its requests' outcomes at once, and one draft-model pass
+        drafts for all of them (`propose_batch`) for little more than one request costs."""
+        asks = []
+        for msg in msgs:
+            if isinstance(msg, Outcome):
+                asks.append(self.take_outcome(msg))
+            else:
+                self.handlers[type(msg)](msg)
+        asks = [a for a in asks if a is not None and self.contexts.get(a.ctx.req_id) is a.ctx]  # not released
+        for proposer in {a.proposer for a in asks}:
+            self.answer([a for a in asks if a.proposer is proposer])
 
     def on_start(self, msg: StartDraft) -> None:
         hidden = [msg.hidden] if msg.hidden is not None else []
@@ -143,40 +173,66 @@ class DrafterWorker:
             log.exception("request %s: absorbing the prompt's target states failed", ctx.req_id)
 
     def on_outcome(self, msg: Outcome) -> None:
-        """Verification of the last block ended at (k, a): answer with the next block at once."""
+        self.handle([msg])
+
+    def take_outcome(self, msg: Outcome) -> BlockAsk | None:
+        """Verification of the last block ended at (k, a): take it in, and answer with the next block at once
+        from the speculation cache; a block to draft afresh is returned (`answer` drafts it)."""
         ctx = self.contexts.get(msg.req_id)
         if ctx is None:
-            return  # released meanwhile
+            return None  # released meanwhile
         if msg.verify_s > 0 and len(ctx.last_block) and msg.drafts is None:  # a verify of our block, not a plain step
             self.verify.observe(msg.verify_s)
         if msg.drafts is not None:  # the target drafted that block itself (prompt lookup): not ours to learn from
             ctx.last_block = Draft(list(msg.drafts))
         elif self.lengths is not None:  # before absorb: last_block is the block that was verified
             block = ctx.last_block
-            self.lengths[ctx.proposer].observe(len(block), msg.accepted, msg.verify_s, block.confidence)
+            price_s = msg.verify_s if msg.verify_share_s is None else msg.verify_share_s
+            self.lengths[ctx.proposer].observe(len(block), msg.accepted, price_s, block.confidence)
         ctx.absorb(msg.accepted, msg.bonus, msg.hidden)
         ctx.round = msg.round
         proposer = self.strategies.get(msg.strategy)
         ctx.pipelined = msg.strategy == "pipelined"
         if proposer is None:  # "ar" or "ngram": the target takes the round alone; our foresight has stopped
             self.send_to_target.send(DrafterIdle(req_id=msg.req_id, round=msg.round))
-            return
+            return None
         ctx.proposer = proposer.name
         t0 = time.perf_counter()
         entry = self.cache.lookup(msg.req_id, msg.round, msg.accepted, msg.bonus) if ctx.pipelined else None
-        if entry is not None:
-            aligned = len(entry.confidence) == len(entry.tokens)  # refined rows carry none
-            draft = Draft(list(entry.tokens), list(entry.confidence) if aligned else []).prefix(msg.max_drafts)
-        else:
-            draft = self.propose(proposer, ctx, self.draft_length(ctx, msg.max_drafts, msg.round))
-        ctx.last_block = draft = self.verify_prefix(ctx, draft, time.perf_counter() - t0)
+        if entry is None:
+            return BlockAsk(ctx, proposer, msg.max_drafts, t0)
+        aligned = len(entry.confidence) == len(entry.tokens)  # refined rows carry none
+        draft = Draft(list(entry.tokens), list(entry.confidence) if aligned else []).prefix(msg.max_drafts)
+        self.send_block(BlockAsk(ctx, proposer, msg.max_drafts, t0), draft, entry)
+        return None
+
+    def answer(self, asks: list[BlockAsk]) -> None:
+        """Draft the blocks `asks` want (one proposer): in one batch when it can, and send them."""
+        proposer = asks[0].proposer
+        lengths = [self.draft_length(a.ctx, a.max_drafts, a.ctx.round) for a in asks]
+        drafts = None
+        if len(asks) > 1 and hasattr(proposer, "propose_batch"):
+            try:
+                drafts = [d.prefix(n) for d, n in zip(proposer.propose_batch([a.ctx for a in asks], lengths), lengths)]
+            except Exception:  # drafted one by one below, where a failure costs only its own request's drafts
+                log.exception("batched drafting for %d requests failed; drafting one by one", len(asks))
+        if drafts is None:
+            drafts = [self.propose(proposer, a.ctx, n) for a, n in zip(asks, lengths)]
+        for ask, draft in zip(asks, drafts):
+            self.send_block(ask, draft, None)
+
+    def send_block(self, ask: BlockAsk, draft: Draft, entry) -> None:
+        """Send the prefix of `draft` worth verifying (`entry`: the cache entry it came from, on a hit) and,
+        in a pipelined round, queue foresight for it."""
+        ctx = ask.ctx
+        ctx.last_block = draft = self.verify_prefix(ctx, draft, time.perf_counter() - ask.started)
         self.send_to_target.send(DraftBlock(
-            req_id=msg.req_id, round=msg.round, tokens=draft.tokens,
+            req_id=ctx.req_id, round=ctx.round, tokens=draft.tokens,
             cache_hit=(entry is not None) if ctx.pipelined else None,
             passes=entry.passes if entry else 0, refreshes=entry.refreshes if entry else 0,
-            draft_s=time.perf_counter() - t0))
+            draft_s=time.perf_counter() - ask.started))
         if ctx.pipelined and len(draft):
-            self.jobs.append(ForesightJob(msg.req_id, msg.round, msg.max_drafts))
+            self.jobs.append(ForesightJob(ctx.req_id, ctx.round, ask.max_drafts))
 
     def propose(self, proposer: Proposer, ctx: DraftContext, max_drafts: int) -> Draft:
         """A fresh block with the proposer's confidence in each token (empty: it gives none)."""

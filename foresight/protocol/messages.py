@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-PROTOCOL_VERSION = 3  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle
+PROTOCOL_VERSION = 4  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle. 4: Outcome.verify_share_s
 
 MESSAGE_TYPES: dict[str, type] = {}
 
@@ -183,6 +183,9 @@ class Outcome:
     bonus: int
     max_drafts: int  # at most this many draft tokens are wanted (limits near max_tokens)
     verify_s: float = 0.0  # the target's last verify time: the drafter's foresight budget (paper Eq. 3)
+    # This request's part of verify_s when its block shared a batched forward (the verify-length controller's
+    # price of the block); None: the block had the forward to itself.
+    verify_share_s: float | None = None
     hidden: torch.Tensor | None = None  # [accepted + 1, n_layers * hidden] states of committed positions
     # How round `round` runs (config.STRATEGIES). The target sends an Outcome only for a round that wants a
     # block; "ar" / "ngram" rounds (a plain step, prompt lookup by the target) are reported with the next.

@@ -22,7 +22,6 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -53,8 +52,8 @@ from .request_state import RequestState
 from .runner import TargetRunner
 from .step_cost import StepCost
 from .step_threads import StepThreads, drafter_busy, winding_down_only
+from .steps import RoundDrafts, StepPlan, drafter_seed, eos_ids, verify_block
 from .strategy_choice import LOCAL_STRATEGIES, StrategyChooser, request_group
-from .verification import Verdict, verify
 
 log = logging.getLogger("foresight.target")
 
@@ -394,6 +393,8 @@ class TargetWorker:
         state.outcome_sent_at = time.perf_counter()
         if not self.to_drafter(Outcome(req_id=state.req_id, round=state.round, bonus=state.anchor,
                                        max_drafts=self.max_drafts(state), verify_s=state.last_verify_s,
+                                       verify_share_s=state.last_verify_s - state.others_share_s
+                                       if state.others_share_s else None,
                                        strategy=state.strategy, **outcome)):
             state.detach()  # no block will come for this round
         elif not state.awaits_block():
@@ -452,49 +453,3 @@ def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], strategies:
         max_len = cfg.max_model_len or model.config.max_position_embeddings
         TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),
                      tuple(auto_strategies), StepThreads.from_config(cfg)).run()
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """One step of the target: the rounds it verifies (one forward when batching) and a prompt chunk."""
-
-    rounds: list[RequestState]
-    prefill: RequestState | None = None
-
-    @classmethod
-    def of(cls, state: RequestState) -> "StepPlan":
-        """A step of one request alone."""
-        return cls(rounds=[state]) if state.prefilled else cls(rounds=[], prefill=state)
-
-    def members(self) -> list[RequestState]:
-        return self.rounds + ([self.prefill] if self.prefill is not None else [])
-
-
-@dataclass(slots=True)
-class RoundDrafts:
-    """What one request's round verifies."""
-
-    state: RequestState
-    draft: list[int]
-    with_drafts: bool  # a block from the drafter (else the target's own: none, or prompt lookup)
-    exposed: float | None  # seconds the target waited for that block
-
-
-def verify_block(logits: torch.Tensor, draft: list[int], sampling, generator: torch.Generator) -> Verdict:
-    """Apply the request's verification rule to one block (logits [len(draft) + 1, vocab])."""
-    return verify(logits, draft, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                  rule=sampling.verification, theta=sampling.nucleus_threshold, generator=generator)
-
-
-def drafter_seed(gen: torch.Generator) -> int:
-    """A seed for the drafter's noise that differs from the target's stream (drafts must not correlate with draws)."""
-    return (gen.initial_seed() * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**63
-
-
-def eos_ids(model) -> list[int]:
-    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-    if eos is None:
-        eos = model.config.eos_token_id
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]

@@ -201,7 +201,7 @@ def train_adapter_cmd(args: argparse.Namespace) -> int:
 def label_streams(labeller, data, tokenizer, pick, seed: int) -> None:
     """The chat stream (requests the target writes, then answers), then the code streams (teacher-forced
     stdlib conversations, the target's answers to their prompts); `pick(name)` gives a recipe setting."""
-    from ..target_worker.worker import eos_ids
+    from ..target_worker.steps import eos_ids
     from .chat_data import chat_requests, label_chat
     from .corpus import training_conversations
     from .labelling import chat_ids, label_all

@@ -19,7 +19,7 @@ from ..drafter_worker.ngram import NgramProposer
 from ..drafter_worker.proposer import Draft, DraftContext
 from ..target_worker.runner import TargetRunner
 from ..target_worker.verification import verify
-from ..target_worker.worker import drafter_seed, eos_ids
+from ..target_worker.steps import drafter_seed, eos_ids
 
 
 def _ints(text: str) -> list[int]:

@@ -28,7 +28,7 @@ import torch
 
 from ..target_worker.loading import resolve_target
 from ..target_worker.runner import TargetRunner
-from ..target_worker.worker import eos_ids
+from ..target_worker.steps import eos_ids
 from .eval_drafter import _ints, speculate
 
 

@@ -16,7 +16,8 @@ from foresight.protocol.addresses import WorkerAddresses
 from foresight.protocol.messages import GenerateRequest, RequestFailed, SamplingParams, Shutdown, TokenOutput, WorkerReady
 from foresight.protocol.sockets import MessageSocket
 from foresight.target_worker.runner import TargetRunner
-from foresight.target_worker.worker import TargetWorker, eos_ids
+from foresight.target_worker.steps import eos_ids
+from foresight.target_worker.worker import TargetWorker
 
 
 class InProcessEngine:

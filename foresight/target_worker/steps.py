@@ -1,0 +1,56 @@
+"""The pieces of a target step that are not the worker's loop: what a step runs, what a round verifies,
+how a block is judged, and the small facts the drafter and the evaluations share (seeds, stop tokens)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request_state import RequestState
+from .verification import Verdict, verify
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step of the target: the rounds it verifies (one forward when batching) and a prompt chunk."""
+
+    rounds: list[RequestState]
+    prefill: RequestState | None = None
+
+    @classmethod
+    def of(cls, state: RequestState) -> "StepPlan":
+        """A step of one request alone."""
+        return cls(rounds=[state]) if state.prefilled else cls(rounds=[], prefill=state)
+
+    def members(self) -> list[RequestState]:
+        return self.rounds + ([self.prefill] if self.prefill is not None else [])
+
+
+@dataclass(slots=True)
+class RoundDrafts:
+    """What one request's round verifies."""
+
+    state: RequestState
+    draft: list[int]
+    with_drafts: bool  # a block from the drafter (else the target's own: none, or prompt lookup)
+    exposed: float | None  # seconds the target waited for that block
+
+
+def verify_block(logits: torch.Tensor, draft: list[int], sampling, generator: torch.Generator) -> Verdict:
+    """Apply the request's verification rule to one block (logits [len(draft) + 1, vocab])."""
+    return verify(logits, draft, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                  rule=sampling.verification, theta=sampling.nucleus_threshold, generator=generator)
+
+
+def drafter_seed(gen: torch.Generator) -> int:
+    """A seed for the drafter's noise that differs from the target's stream (drafts must not correlate with draws)."""
+    return (gen.initial_seed() * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**63
+
+
+def eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
