@@ -39,12 +39,15 @@ class RequestState:
     block_passes: int = 0
     block_refreshes: int = 0
     last_verify_s: float = 0.0  # the drafter's foresight budget for the next round
-    others_share_s: float = 0.0  # of the last verify forward, the part charged to other requests of its batch
+    # The target's time this request's rounds consumed (mode auto's price of a round): the idle time of the
+    # target while it waited for this request's block (shared with others waiting), then its own part of
+    # the step that verified it (its drafts, and its share of the forward: step_cost.py).
+    waited_s: float = 0.0  # since its last round ended
+    round_cost_s: float = 0.0  # of the round just verified
+    verify_share_s: float | None = None  # its part of that forward when it was batched (None: alone)
     outcome_sent_at: float = 0.0  # when we asked the drafter for `round`'s block
     block_received_at: float = 0.0
     arrived_at: float = field(default_factory=time.perf_counter)
-    round_started_at: float = 0.0  # when the target finished this request's previous step
-    busy_mark: float = 0.0  # the worker's step seconds (all requests) at that moment
 
     @property
     def req_id(self) -> str:

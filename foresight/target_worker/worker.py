@@ -78,7 +78,6 @@ class TargetWorker:
         self.chooser = StrategyChooser(("ngram",) + tuple(auto_strategies))  # the drafter's own + local lookup
         self.lookup = LocalLookup(cfg)
         self.step_cost = StepCost()  # what each request's part of a batched step costs
-        self.busy_s = 0.0  # seconds spent in steps so far, all requests (a round's own time excludes others')
         self.runner = runner
         self.batching = cfg.batched_steps and runner.batches_requests
         if cfg.batched_steps and not self.batching:
@@ -124,16 +123,22 @@ class TargetWorker:
             self.drain(self.recv_from_drafter)
             plan = self.plan_step()
             if plan is None:
+                t0 = time.perf_counter()
                 self.poller.poll(IDLE_POLL_MS)
+                self.charge_idle(time.perf_counter() - t0)
                 continue
             if self.threads is not None:
+                t0 = time.perf_counter()
                 self.threads.use(drafter_busy=self.drafter_still_busy())
-            t0 = time.perf_counter()
+                for state in plan.rounds:  # a switch's wait for DrafterIdle is its rounds' time
+                    state.waited_s += (time.perf_counter() - t0) / len(plan.rounds)
             self.run_step(plan)
-            self.busy_s += time.perf_counter() - t0
-            now = time.perf_counter()
-            for state in plan.members():
-                state.round_started_at, state.busy_mark = now, self.busy_s
+
+    def charge_idle(self, seconds: float) -> None:
+        """The target idled `seconds`: a cost of the rounds whose blocks it waited for, shared among them."""
+        waiting = [s for s in self.requests.values() if s.prefilled and s.awaits_block() and s.block is None]
+        for state in waiting:
+            state.waited_s += seconds / len(waiting)
 
     def drafter_still_busy(self) -> bool:
         """Whether the next step must leave the drafter its threads. A request that just switched to a
@@ -294,10 +299,13 @@ class TargetWorker:
         """Verify the blocks of `states`' rounds: in one forward when batching, else one forward each."""
         rounds = []
         for state in states:
+            t0 = time.perf_counter()
             try:
                 rounds.append(self.round_drafts(state))
             except Exception:
                 self.fail(state)
+            else:
+                state.waited_s += time.perf_counter() - t0  # prompt lookup: this round's own drafting
         if len(rounds) > 1 and self.batching:
             t0 = time.perf_counter()
             try:
@@ -336,7 +344,8 @@ class TargetWorker:
         verdict = verify_block(result.logits, draft, req.sampling, state.generator)
         self.runner.rollback(state.cache, len(draft) - verdict.accepted, result)
         state.last_verify_s = verify_s
-        state.others_share_s = verify_s - share_s
+        state.verify_share_s = share_s if share_s != verify_s else None
+        state.round_cost_s, state.waited_s = state.waited_s + share_s, 0.0
         stats = RoundStats(drafted=len(draft), accepted=verdict.accepted, nucleus_extra=verdict.nucleus_extra,
                            verify_s=verify_s, exposed_draft_s=r.exposed,
                            cache_hit=state.block_cache_hit, passes=state.block_passes,
@@ -393,8 +402,7 @@ class TargetWorker:
         state.outcome_sent_at = time.perf_counter()
         if not self.to_drafter(Outcome(req_id=state.req_id, round=state.round, bonus=state.anchor,
                                        max_drafts=self.max_drafts(state), verify_s=state.last_verify_s,
-                                       verify_share_s=state.last_verify_s - state.others_share_s
-                                       if state.others_share_s else None,
+                                       verify_share_s=state.verify_share_s,
                                        strategy=state.strategy, **outcome)):
             state.detach()  # no block will come for this round
         elif not state.awaits_block():
@@ -406,9 +414,7 @@ class TargetWorker:
         if state.choice is None:
             return state.mode
         if committed is not None:
-            own_s = (time.perf_counter() - state.round_started_at) - (self.busy_s - state.busy_mark) \
-                - state.others_share_s
-            self.chooser.observe(state.choice, committed, own_s)
+            self.chooser.observe(state.choice, committed, state.round_cost_s)
             self.chooser.advance(state.choice)
         return state.choice.current
 
