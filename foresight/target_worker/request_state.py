@@ -45,6 +45,7 @@ class RequestState:
     waited_s: float = 0.0  # since its last round ended
     round_cost_s: float = 0.0  # of the round just verified
     verify_share_s: float | None = None  # its part of that forward when it was batched (None: alone)
+    held_local: bool = False  # this round runs on the target alone because of the load policy (load_policy.py)
     outcome_sent_at: float = 0.0  # when we asked the drafter for `round`'s block
     block_received_at: float = 0.0
     arrived_at: float = field(default_factory=time.perf_counter)

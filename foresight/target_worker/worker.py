@@ -47,6 +47,7 @@ from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifet
 from ..protocol.sockets import MessageSocket
 from ..protocol.transport import default_transport
 from .loading import load_target, resolve_dtype, resolve_target
+from .load_policy import LoadPolicy
 from .local_lookup import LocalLookup
 from .request_state import RequestState
 from .runner import TargetRunner
@@ -83,6 +84,8 @@ class TargetWorker:
         if cfg.batched_steps and not self.batching:
             log.info("batched steps off: the target has sliding-window or linear-attention layers, whose "
                      "caches cannot share a padded forward; one request per forward")
+        self.policy = LoadPolicy() if self.batching else None  # whether rounds may draft under load
+        self.step_tokens, self.step_ended = 0, time.perf_counter()  # tokens committed in the step; its end
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.recv_from_api = MessageSocket(ctx, zmq.PULL, addrs.api_to_target, bind=False)
@@ -133,6 +136,15 @@ class TargetWorker:
                 for state in plan.rounds:  # a switch's wait for DrafterIdle is its rounds' time
                     state.waited_s += (time.perf_counter() - t0) / len(plan.rounds)
             self.run_step(plan)
+            self.observe_load()
+
+    def observe_load(self) -> None:
+        """Tell the load policy what the step (and the idle time before it) committed."""
+        now = time.perf_counter()
+        if self.policy is not None:
+            contested = any(s.drafting and s.mode not in LOCAL_STRATEGIES for s in self.requests.values())
+            self.policy.observe(len(self.requests), contested, self.step_tokens, now - self.step_ended)
+        self.step_tokens, self.step_ended = 0, now
 
     def charge_idle(self, seconds: float) -> None:
         """The target idled `seconds`: a cost of the rounds whose blocks it waited for, shared among them."""
@@ -368,6 +380,7 @@ class TargetWorker:
 
         `stats` is None for the prefill, which commits its first token without verifying a block."""
         emitted, reason = self.apply_stops(state, tokens)
+        self.step_tokens += len(emitted)
         self.send_to_api.send(TokenOutput(
             req_id=state.req_id, token_ids=emitted, finished=reason is not None, finish_reason=reason,
             rounds=[stats] if stats else [], prompt_tokens=len(state.request.prompt_ids) if prefill else 0))
@@ -411,12 +424,14 @@ class TargetWorker:
     def next_strategy(self, state: RequestState, committed: int | None) -> str:
         """The strategy of the request's next round; in mode auto, after measuring the round that just
         committed `committed` tokens (None: the prefill, which is not a round)."""
-        if state.choice is None:
-            return state.mode
-        if committed is not None:
+        ran_own = not state.held_local  # the round that committed ran the request's own strategy
+        state.held_local = self.policy is not None and self.policy.local
+        if state.choice is not None and committed is not None and ran_own:
             self.chooser.observe(state.choice, committed, state.round_cost_s)
             self.chooser.advance(state.choice)
-        return state.choice.current
+        if state.held_local:  # under load the target does better alone: lookup for auto, else plain steps
+            return "ngram" if state.mode == "auto" else "ar"
+        return state.choice.current if state.choice is not None else state.mode
 
     def apply_stops(self, state: RequestState, tokens: list[int]) -> tuple[list[int], str | None]:
         req = state.request

@@ -1,0 +1,73 @@
+"""Under load the worker measures whether rounds that draft pay for everyone, and holds them to the target
+alone when they do not; a lone request always decides alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foresight.config import EngineConfig
+from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
+from foresight.target_worker.load_policy import WINDOW_STEPS, LoadPolicy, load_bucket
+from support.inprocess import InProcessEngine
+from support.tiny_models import plain_greedy, tiny_model
+from test_foresight import make_draft_model
+
+torch.set_num_threads(1)
+
+
+def run(policy: LoadPolicy, windows: int, tokens_per_s: dict[str, float], running: int = 8) -> dict[str, int]:
+    """Feed `windows` windows of steps at the scripted throughput of each policy; count windows per policy."""
+    counts = {"draft": 0, "local": 0}
+    for _ in range(windows * WINDOW_STEPS):
+        counts[policy.current] += 1
+        policy.observe(running, True, round(tokens_per_s[policy.current] * 0.1), 0.1)
+    return {p: n // WINDOW_STEPS for p, n in counts.items()}
+
+
+def test_the_faster_policy_runs_and_the_other_is_still_tried():
+    policy = LoadPolicy()
+    counts = run(policy, 100, {"draft": 50.0, "local": 100.0})
+    assert counts["local"] > 0.85 * 100
+    assert counts["draft"] >= 3  # tried now and then: the workload may change
+    counts = run(policy, 100, {"draft": 150.0, "local": 100.0})  # drafting pays again
+    assert counts["draft"] > 0.7 * 100
+
+
+def test_a_lone_request_or_an_uncontested_batch_always_drafts():
+    policy = LoadPolicy()
+    run(policy, 20, {"draft": 10.0, "local": 100.0})
+    assert policy.local
+    policy.observe(1, True, 1, 0.1)
+    assert not policy.local
+    run(policy, 20, {"draft": 10.0, "local": 100.0})
+    policy.observe(8, False, 1, 0.1)
+    assert not policy.local
+    assert [load_bucket(n) for n in (1, 2, 3, 4, 7, 8, 30)] == [0, 2, 2, 4, 4, 8, 8]
+
+
+@pytest.mark.parametrize("mode", ["sync", "auto"])
+def test_rounds_held_local_stay_exact_and_drafting_resumes(mode):
+    """The policy holds drafting requests to the target alone for a while, then lets them draft again: every
+    switch keeps greedy output equal to plain greedy decoding."""
+    model = tiny_model("llama")
+    proposer = JetSpecProposer(make_draft_model(model), passes=1)  # auto may choose hybrid with it
+    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6), proposer=proposer)
+    try:
+        policy = engine.target.policy
+        steps = [0]
+
+        def alternate(running, contested, tokens, seconds):  # local for 5 steps, drafting for 5
+            steps[0] += 1
+            policy.current = "local" if (steps[0] // 5) % 2 else "draft"
+
+        policy.observe = alternate
+        prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [11, 12, 13, 11, 12, 13, 11, 12, 13, 40]]
+        ids = [engine.submit(p, 40, mode=mode, temperature=0.0) for p in prompts]
+        results = engine.collect(ids)
+    finally:
+        engine.close()
+    held = "ngram" if mode == "auto" else "ar"
+    for rid, prompt in zip(ids, prompts):
+        assert results[rid]["tokens"] == plain_greedy(model, prompt, 40, eos=model.config.eos_token_id)
+        strategies = {r.strategy for r in results[rid]["rounds"]}
+        assert held in strategies and strategies - {held}, strategies
