@@ -23,8 +23,8 @@ from __future__ import annotations
 POLICIES = ("draft", "local")
 WINDOW_STEPS = 24  # target steps per measured window
 DECAY = 0.7  # per window of a policy: its figure follows its last few windows
-EXPLORE_WINDOWS = 6.0  # windows between trials of a policy as good as the best (longer for a worse one)
-MAX_WAIT = 40.0  # windows: even a much worse policy is tried again this often
+EXPLORE_WINDOWS = 12.0  # windows between trials of a policy as good as the best (longer for a worse one)
+MAX_WAIT = 80.0  # windows: even a much worse policy is tried again this often
 
 
 def load_bucket(running: int) -> int:
