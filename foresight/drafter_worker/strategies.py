@@ -44,6 +44,22 @@ class HybridProposer:
             return Draft(follow)  # prompt lookup gives no confidences
         return self.model.propose(ctx, max_drafts)
 
+    def propose_batch(self, ctxs: list[DraftContext], max_drafts: list[int]) -> list[Draft]:
+        """`propose` for several requests: lookup where it matches, the rest in one batch of the draft model."""
+        drafts, rest = [], []
+        for i, (ctx, wanted) in enumerate(zip(ctxs, max_drafts)):
+            follow, n = lookup_match(ctx.tokens, wanted, self.ngram.n_max, self.min_match)
+            drafts.append(Draft(follow) if n >= self.min_match else None)
+            if drafts[-1] is None:
+                rest.append(i)
+        if rest:
+            batch = getattr(self.model, "propose_batch", None)
+            got = (batch([ctxs[i] for i in rest], [max_drafts[i] for i in rest]) if batch is not None else
+                   [self.model.propose(ctxs[i], max_drafts[i]) for i in rest])
+            for i, draft in zip(rest, got):
+                drafts[i] = draft
+        return drafts
+
 
 def auto_strategies(offered: dict[str, Proposer]) -> list[str]:
     """The drafting strategies mode `auto` chooses among (beside the target's own prompt lookup). Left out:

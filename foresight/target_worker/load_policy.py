@@ -15,6 +15,7 @@ second of wall time, all requests together:
 Throughput is measured over windows of WINDOW_STEPS steps, separately per load bucket (the number of
 running requests: 2-3, 4-7, 8 and more). The policy with the better recent figure runs; the other is tried
 for a window now and then (more rarely the worse it measured), so a change of load or workload is noticed.
+A load level seen for the first time starts with the policy that won at the nearest level already measured.
 The window after a switch is not measured: rounds of the old policy are still in flight. A lone request
 decides alone (no policy), as does a batch with no request that would draft.
 """
@@ -84,19 +85,31 @@ class LoadPolicy:
         return tokens / seconds if seconds > 0 else None
 
     def _best(self, bucket: int) -> str:
+        """The policy with the better figure at this load; unmeasured here, the better one at the nearest
+        load measured (a new load level starts from what the last one learnt), else "draft"."""
         rates = {p: self.rate(bucket, p) for p in POLICIES}
-        untried = [p for p in POLICIES if rates[p] is None]
-        if untried:
-            return untried[0]
-        return max(POLICIES, key=lambda p: rates[p])
+        if all(r is not None for r in rates.values()):
+            return max(POLICIES, key=lambda p: rates[p])
+        nearest = self._nearest_known(bucket)
+        if nearest is not None:
+            return self._best(nearest)
+        return next((p for p in POLICIES if rates[p] is not None), POLICIES[0])
+
+    def _nearest_known(self, bucket: int) -> int | None:
+        """The nearest other load level where both policies were measured."""
+        known = [b for b in self.windows if b != bucket and all(self.rate(b, p) is not None for p in POLICIES)]
+        return min(known, key=lambda b: abs(b - bucket)) if known else None
 
     def _next(self, bucket: int) -> str:
         best = self._best(bucket)
         if self.rate(bucket, best) is None:
-            return best  # untried: run it now
+            return best  # measure it first
         other = next(p for p in POLICIES if p != best)
-        ratio = min(1.0, self.rate(bucket, other) / self.rate(bucket, best))
-        wait = min(MAX_WAIT, EXPLORE_WINDOWS / max(ratio, 1e-3) ** 2)
+        if self.rate(bucket, other) is None:  # at once, unless another load level already measured both
+            wait = 0.0 if self._nearest_known(bucket) is None else EXPLORE_WINDOWS
+        else:
+            ratio = min(1.0, self.rate(bucket, other) / self.rate(bucket, best))
+            wait = min(MAX_WAIT, EXPLORE_WINDOWS / max(ratio, 1e-3) ** 2)
         now = self.windows.get(bucket, 0)
         if now - self.tried_at.get((bucket, other), 0) >= wait:
             return other

@@ -78,3 +78,16 @@ def test_outcomes_that_arrive_together_are_drafted_in_one_pass(target):
     assert proposer.batches == [2]
     assert sorted(b.req_id for b in blocks) == ["r0", "r1"]
     assert all(isinstance(b, DraftBlock) and b.round == 1 and len(b.tokens) == 5 for b in blocks)
+
+
+def test_hybrid_batch_looks_up_where_it_matches_and_batches_the_rest(target):
+    from foresight.drafter_worker.ngram import NgramProposer
+    from foresight.drafter_worker.strategies import HybridProposer
+
+    alone = HybridProposer(JetSpecProposer(make_draft_model(target), passes=1), NgramProposer(4, 2), 3)
+    together = HybridProposer(CountingJetSpec(make_draft_model(target)), NgramProposer(4, 2), 3)
+    wanted = [4, 4, 4]  # PROMPTS[0] ends in a 3-gram seen before: prompt lookup drafts it
+    want = [alone.propose(ctx, n) for ctx, n in zip(contexts(alone.model, target), wanted)]
+    got = together.propose_batch(contexts(together.model, target), wanted)
+    assert [d.tokens for d in got] == [d.tokens for d in want]
+    assert got[0].confidence == [] and got[1].confidence and together.model.batches == [2]

@@ -71,3 +71,11 @@ def test_rounds_held_local_stay_exact_and_drafting_resumes(mode):
         assert results[rid]["tokens"] == plain_greedy(model, prompt, 40, eos=model.config.eos_token_id)
         strategies = {r.strategy for r in results[rid]["rounds"]}
         assert held in strategies and strategies - {held}, strategies
+
+
+def test_a_new_load_level_starts_from_what_the_nearest_one_learnt():
+    policy = LoadPolicy()
+    run(policy, 30, {"draft": 50.0, "local": 100.0}, running=4)
+    assert policy.local
+    counts = run(policy, 10, {"draft": 50.0, "local": 100.0}, running=8)
+    assert counts["draft"] == 0  # no window spent drafting at the new level before the usual wait
