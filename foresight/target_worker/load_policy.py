@@ -22,10 +22,14 @@ decides alone (no policy), as does a batch with no request that would draft.
 from __future__ import annotations
 
 POLICIES = ("draft", "local")
-WINDOW_STEPS = 24  # target steps per measured window
+WINDOW_STEPS = 36  # target steps per measured window (request arrivals and prefills make short ones noisy)
 DECAY = 0.7  # per window of a policy: its figure follows its last few windows
 EXPLORE_WINDOWS = 12.0  # windows between trials of a policy as good as the best (longer for a worse one)
 MAX_WAIT = 80.0  # windows: even a much worse policy is tried again this often
+# Drafting under load must beat the target alone by this factor to run: a switch to it makes the drafter catch
+# up on every request (foresight's adapter and decoder take in all the rounds it missed), and a window's
+# figure is noisy, so a near tie is not worth those switches.
+DRAFT_MARGIN = 1.1
 
 
 def load_bucket(running: int) -> int:
@@ -89,7 +93,7 @@ class LoadPolicy:
         load measured (a new load level starts from what the last one learnt), else "draft"."""
         rates = {p: self.rate(bucket, p) for p in POLICIES}
         if all(r is not None for r in rates.values()):
-            return max(POLICIES, key=lambda p: rates[p])
+            return "draft" if rates["draft"] > DRAFT_MARGIN * rates["local"] else "local"
         nearest = self._nearest_known(bucket)
         if nearest is not None:
             return self._best(nearest)
