@@ -32,11 +32,16 @@ MAX_WAIT = 80.0  # windows: even a much worse policy is tried again this often
 DRAFT_MARGIN = 1.1
 
 
-def load_bucket(running: int) -> int:
-    """The load level whose figures a window counts toward (0: a lone request, no policy)."""
-    if running < 2:
+LOAD_DECAY = 0.9  # per step: the load level follows the running requests over the last ~10 steps
+
+
+def load_bucket(running: float) -> int:
+    """The load level whose figures a window counts toward (0: a lone request, no policy), from the
+    smoothed number of running requests: a request that ends and the next that arrives dip it for a step or
+    two, which must not start the level's window over."""
+    if running < 1.5:
         return 0
-    return 2 if running < 4 else 4 if running < 8 else 8
+    return 2 if running < 3 else 4 if running < 6 else 8
 
 
 class LoadPolicy:
@@ -48,6 +53,7 @@ class LoadPolicy:
         self.tried_at: dict[tuple[int, str], int] = {}  # (bucket, policy) -> windows[bucket] at its last run
         self._bucket, self._steps, self._tokens, self._seconds = 0, 0, 0, 0.0
         self._settling = False  # the window after a switch: not measured
+        self._load = 0.0  # running requests, smoothed over steps
 
     @property
     def local(self) -> bool:
@@ -56,7 +62,11 @@ class LoadPolicy:
     def observe(self, running: int, contested: bool, tokens: int, seconds: float) -> None:
         """One target step (with the idle time before it) committed `tokens` in `seconds` while `running`
         requests were active; `contested`: some of them would draft (else the policies do not differ)."""
-        bucket = load_bucket(running) if contested else 0
+        if running < 2 or not self._load:  # alone, a request affects no one: at once
+            self._load = float(running)
+        else:
+            self._load = LOAD_DECAY * self._load + (1 - LOAD_DECAY) * running
+        bucket = load_bucket(self._load) if contested else 0
         if bucket != self._bucket:  # a new load level: start over; a lone request drafts as it likes
             self._bucket, self._steps, self._tokens, self._seconds = bucket, 0, 0, 0.0
             if bucket == 0:

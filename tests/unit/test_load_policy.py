@@ -42,7 +42,20 @@ def test_a_lone_request_or_an_uncontested_batch_always_drafts():
     run(policy, 20, {"draft": 10.0, "local": 100.0})
     policy.observe(8, False, 1, 0.1)
     assert not policy.local
-    assert [load_bucket(n) for n in (1, 2, 3, 4, 7, 8, 30)] == [0, 2, 2, 4, 4, 8, 8]
+    assert [load_bucket(n) for n in (1, 2, 2.9, 3.8, 5.9, 7.5, 30)] == [0, 2, 2, 4, 4, 8, 8]
+
+
+def test_a_request_that_ends_and_the_next_that_arrives_do_not_restart_the_window():
+    """Closed-loop clients: the running count dips for a step when a request ends; the policy must still
+    measure its windows and settle on the faster policy."""
+    policy = LoadPolicy()
+    rates = {"draft": 50.0, "local": 100.0}
+    local_steps = 0
+    for step in range(60 * WINDOW_STEPS):
+        running = 3 if step % 15 == 0 else 4  # a request ends every 15 steps, its successor arrives next step
+        local_steps += policy.local
+        policy.observe(running, True, round(rates[policy.current] * 0.1), 0.1)
+    assert local_steps > 0.8 * 60 * WINDOW_STEPS
 
 
 @pytest.mark.parametrize("mode", ["sync", "auto"])
