@@ -13,7 +13,8 @@ second of wall time, all requests together:
              fixed drafting mode take plain steps (speculation off: vLLM's `disable_by_batch_size`,
              decided from measurements instead of a threshold set by hand).
 Throughput is measured over windows of WINDOW_STEPS steps, separately per load bucket (the number of
-running requests: 2-3, 4-7, 8 and more). The policy with the better recent figure runs; the other is tried
+running requests smoothed over steps: about 2, 4 and 8 or more). "local" runs unless "draft" measured
+DRAFT_MARGIN better; the other is tried
 for a window now and then (more rarely the worse it measured), so a change of load or workload is noticed.
 A load level seen for the first time starts with the policy that won at the nearest level already measured.
 The window after a switch is not measured: rounds of the old policy are still in flight. A lone request
