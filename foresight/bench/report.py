@@ -5,11 +5,7 @@ from pathlib import Path
 
 
 def write_chart(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     modes = list(report["modes"])
     peers = list(report.get("peers", {}))
     tau = [report["modes"][m]["tau"] or 0.0 for m in modes]
@@ -37,11 +33,7 @@ def write_chart(report: dict, path: Path) -> None:
 
 def write_quality_chart(report: dict, path: Path) -> None:
     """eval-quality: speed against pass@1, one labelled point per verification setting."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for key, r in report["results"].items():
         x, y = r["pass_at_1"], r["tokens_per_s"] or 0.0
@@ -63,11 +55,7 @@ def write_quality_chart(report: dict, path: Path) -> None:
 
 def write_load_chart(report: dict, path: Path) -> None:
     """The load benchmark: aggregate tokens/s and ITL p50 against concurrency, one line per mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     section = report["concurrency"]
     levels = sorted(section, key=int)
     modes = list(dict.fromkeys(m for level in levels for m in section[level]))
@@ -91,3 +79,13 @@ def write_load_chart(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display on servers and CI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -216,10 +216,7 @@ class ForesightDrafter:
 
     def propose(self, ctx: DraftContext, max_drafts: int) -> Draft:
         """Sync mode: J0 + `passes` (the JetSpec proposer's). Pipelined miss: the fallback, J0 only."""
-        if max_drafts <= 0:
-            return Draft()
-        self._absorb(ctx, draft_only=True)
-        return self.jetspec.propose(ctx, max_drafts, passes=0 if ctx.pipelined else self.passes)
+        return self.propose_batch([ctx], [max_drafts])[0]
 
     def propose_batch(self, ctxs: list[DraftContext], max_drafts: list[int]) -> list[Draft]:
         """`propose` for several requests in one draft-model pass per iteration (sync rounds and pipelined

@@ -104,22 +104,14 @@ class JetSpecProposer:
 
     def propose(self, ctx: DraftContext, max_drafts: int, passes: int | None = None) -> Draft:
         """J0 + `passes` Jacobi passes (None: the configured number) after the anchor."""
-        if max_drafts <= 0:
-            return Draft()
-        state = self.absorb(ctx)
-        if state.ctx is None:
-            return Draft()  # no target states (the target was started without our layers)
-        noise = draw_noise(ctx.tokens, max_drafts - 1, state.generator)
-        ids, probs = self.model.draft_with_confidence([state.ctx], torch.tensor([ctx.tokens[-1]]), noise[None],
-                                                      self.passes if passes is None else passes)
-        return Draft(ids[-1][0].tolist(), probs[-1][0].tolist())
+        return self.propose_batch([ctx], [max_drafts], passes)[0]
 
     def propose_batch(self, ctxs: list[DraftContext], max_drafts: list[int], passes: int | None = None) -> list[Draft]:
         """`propose` for several requests at once: one draft-model pass per Jacobi iteration for all of them.
         Rows are right-padded to the longest block; the block attends causally, so padding never changes a
         row's drafts, and each row draws its noise from its own generator as `propose` does."""
         drafts = [Draft()] * len(ctxs)
-        rows = []  # (index, ctx, drafts wanted, state)
+        rows = []  # (index, ctx, drafts wanted, state); none without target states (started without our layers)
         for i, (ctx, wanted) in enumerate(zip(ctxs, max_drafts)):
             if wanted > 0 and (state := self.absorb(ctx)).ctx is not None:
                 rows.append((i, ctx, wanted, state))

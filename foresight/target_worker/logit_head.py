@@ -79,9 +79,12 @@ class Fp32LogitHead:
         return self.norm(hidden)
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return soft_cap(logits, self.softcap)
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """A model's final logit soft-capping (Gemma's `final_logit_softcapping`); None or 0: none."""
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def needs_fp32_head(model: nn.Module) -> bool:

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from .batched_kv import BatchedKV, batchable
 from .linear_rollback import LinearSnapshot, LinearStateRollback
-from .logit_head import LOGIT_PRECISIONS, Fp32LogitHead, needs_fp32_head
+from .logit_head import LOGIT_PRECISIONS, Fp32LogitHead, needs_fp32_head, soft_cap
 
 
 @dataclass(slots=True)
@@ -142,8 +142,7 @@ class TargetRunner:
         low = self.model.get_output_embeddings()(normed)  # [N, vocab]
         if self.logit_precision == "fp32-top":
             return self.head.refine(low, select)
-        softcap = getattr(self.config, "final_logit_softcapping", None)
-        return (torch.tanh(low / softcap) * softcap if softcap else low).float()
+        return soft_cap(low, getattr(self.config, "final_logit_softcapping", None)).float()
 
     def rollback(self, cache: DynamicCache, rejected: int, result: ForwardResult) -> None:
         """Drop the last `rejected` positions (the drafts verification did not accept).

@@ -347,16 +347,17 @@ class TargetWorker:
         result = self.runner.verify(r.state.cache, r.state.anchor, r.draft)
         verify_s = time.perf_counter() - t0
         self.step_cost.observe(1 + len(r.draft), verify_s)
-        self.finish_round(r, result, verify_s, verify_s)
+        self.finish_round(r, result, verify_s)
 
-    def finish_round(self, r: RoundDrafts, result, verify_s: float, share_s: float) -> None:
+    def finish_round(self, r: RoundDrafts, result, verify_s: float, share_s: float | None = None) -> None:
         """Apply the request's verification rule to its block's logits, crop what was rejected, commit.
-        `verify_s`: the forward's time; `share_s`: this request's part of it (StepCost)."""
+        `verify_s`: the forward's time; `share_s`: this request's part of it when batched (StepCost)."""
         state, draft, req = r.state, r.draft, r.state.request
         verdict = verify_block(result.logits, draft, req.sampling, state.generator)
         self.runner.rollback(state.cache, len(draft) - verdict.accepted, result)
         state.last_verify_s = verify_s
-        state.verify_share_s = share_s if share_s != verify_s else None
+        state.verify_share_s = share_s
+        share_s = verify_s if share_s is None else share_s
         state.round_cost_s, state.waited_s = state.waited_s + share_s, 0.0
         stats = RoundStats(drafted=len(draft), accepted=verdict.accepted, nucleus_extra=verdict.nucleus_extra,
                            verify_s=verify_s, exposed_draft_s=r.exposed,

@@ -204,3 +204,16 @@ async def call(app, method: str, path: str, body=None, headers: dict | None = No
 async def _one(body: bytes):
     if body:
         yield body
+
+
+class RecordingSocket:
+    """Stands for the api's socket to the target: records what the api sends."""
+
+    def __init__(self):
+        self.sent = []
+
+    async def send(self, msg):
+        self.sent.append(msg)
+
+    def reset(self):
+        pass

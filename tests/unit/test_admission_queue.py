@@ -15,22 +15,9 @@ from foresight.protocol.messages import (AbortRequest, GenerateRequest, RequestF
                                          TokenOutput)
 from foresight.server.engine_client import EngineClient, KVBudgetExceeded, QueueFull, RequestError
 from foresight.server.metrics import ServerMetrics
-from support.fake_engine import MODEL, ByteTokenizer, call
+from support.fake_engine import MODEL, ByteTokenizer, RecordingSocket, call
 
 UP = "up"
-
-
-class RecordingSocket:
-    """Stands for the socket to the target: records what the api sends."""
-
-    def __init__(self):
-        self.sent = []
-
-    async def send(self, msg):
-        self.sent.append(msg)
-
-    def reset(self):
-        pass
 
 
 def make_engine(max_model_len: int | None = None, **kwargs) -> EngineClient:

@@ -6,6 +6,7 @@ import pytest
 from foresight.config import EngineConfig
 from foresight.server.openai_schemas import ChatCompletionRequest, CompletionRequest
 from foresight.server.serving import BadRequest, RequestRunner
+from support.fake_engine import RecordingSocket
 
 
 def runner(**cfg):
@@ -52,16 +53,6 @@ def test_tiny_temperatures_are_greedy():
 
 # ------------------------------------------------------------------ the real EngineClient, no workers
 
-
-class RecordingSocket:
-    def __init__(self):
-        self.sent = []
-
-    async def send(self, msg):
-        self.sent.append(msg)
-
-    def reset(self):
-        pass
 
 
 def engine_client(max_num_seqs=1, **kwargs):
