@@ -5,6 +5,8 @@ three contexts are built from the target's TRUE states of committed positions: t
 context K/V (kept by the JetSpec proposer), the adapter's context and the decoder's K/V cache (kept here). The target sends the states at
 `hidden_layers`, the sorted union of the indices the three read, concatenated in that order; each
 consumer gets its own columns.
+On a hybrid target the decoder's linear-attention layers (`state_layers`) also continue from the
+target's committed recurrent/conv state, sent with each outcome (`LinearStates`, models/decoder.py).
 
 While the target verifies block [y0, d_1..d_gamma] (anchor y0 at position n = len(tokens)-1):
 
@@ -45,7 +47,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..config import REFINEMENTS, ConfigError, EngineConfig
-from ..protocol.messages import SamplingParams
+from ..protocol.messages import LinearStates, SamplingParams
 from ..target_worker.sampling import target_probs
 from ..target_worker.verification import in_nucleus
 from .budget import Plan, StepCosts, plan_round
@@ -69,6 +71,7 @@ class _RequestState:
     scored: int = 0  # context positions the adapter and decoder have absorbed
     unscored: list = field(default_factory=list)  # [n, ...] target states the draft model took, the adapter not yet
     decoder_new: list = field(default_factory=list)  # [n, H] states at the decoder's input its cache lacks
+    linear_states: LinearStates | None = None  # hybrid targets: the newest committed state of the decoder's layers
 
     @property
     def draft(self) -> ContextKV | None:
@@ -142,6 +145,8 @@ class ForesightDrafter:
                 f"decoder (indices {decoder.input_index + 1}..{n_target}): the adapter must predict them")
         self.adapter_indices = adapter_idx
         self.hidden_layers = sorted({*model.config.target_layers, *adapter_idx, decoder.input_index})
+        # Hybrid targets: the decoder's linear-attention layers continue from the target's committed state.
+        self.state_layers = list(decoder.linear_layers)
 
         def cols(indices: list[int]) -> torch.Tensor:
             return torch.cat([torch.arange(hidden) + self.hidden_layers.index(i) * hidden for i in indices])
@@ -185,6 +190,7 @@ class ForesightDrafter:
         `draft_only`, the adapter's; the decoder takes them in its next pass (`predict`, `_flush_decoder`).
         A pipelined miss drafts with `draft_only` so the target does not wait for the adapter and decoder."""
         state = self.state(ctx)
+        state.linear_states = ctx.linear_states
         states = ctx.pending_hidden()  # [n, len(hidden_layers) * H]
         if states is not None:
             self.jetspec.extend(ctx, states)
@@ -210,7 +216,7 @@ class ForesightDrafter:
     def _flush_decoder(self, state: _RequestState) -> None:
         new = self._take_decoder_new(state)
         if new is not None:
-            self.decoder.extend_context(state.decoder, new, state.decoder.length)
+            self.decoder.extend_context(state.decoder, new, state.decoder.length, state.linear_states)
 
     # ------------------------------------------------------------------ fallback
 
@@ -263,7 +269,8 @@ class ForesightDrafter:
             self._flush_decoder(state)
         pred = self.adapter.predict(state.adapter, tokens.long(), n)  # [R, L, n_adapter * H]
         logits, dec_states = self.decoder.logits_and_hidden(state.decoder, pred[..., self._pred_decoder_cols], n,
-                                                            keep=self._decoder_keep, context_states=decoder_new)
+                                                            keep=self._decoder_keep, context_states=decoder_new,
+                                                            linear_states=state.linear_states)
         return pred, logits, dec_states
 
     def select(self, logits: torch.Tensor, block: list[int], B: int, temperature: float | None,

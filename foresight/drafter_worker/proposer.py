@@ -13,7 +13,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..protocol.messages import SamplingParams
+from ..protocol.messages import LinearStates, SamplingParams
 from .speculation_cache import CacheEntry
 
 
@@ -55,13 +55,18 @@ class DraftContext:
     temperature: float = 1.0  # the request's sampling temperature
     sampling: SamplingParams | None = None  # the request's top-k, top-p and verification rule (foresight scores)
     refinement: str | None = None  # the request's self-refinement mode (StartDraft); None = the drafter's
+    # Hybrid targets: the newest committed linear-attention state the target sent (`state_layers`)
+    linear_states: LinearStates | None = None
 
-    def absorb(self, accepted: int, bonus: int, hidden: torch.Tensor | None) -> None:
+    def absorb(self, accepted: int, bonus: int, hidden: torch.Tensor | None,
+               linear_states: LinearStates | None = None) -> None:
         """Verification accepted the first `accepted` drafts of the last block and committed `bonus`."""
         self.tokens.extend(self.last_block.tokens[:accepted])
         self.tokens.append(bonus)
         if hidden is not None:
             self.hidden.append(hidden)
+        if linear_states is not None:
+            self.linear_states = linear_states
         self.last_block = Draft()
 
     def pending_hidden(self) -> torch.Tensor | None:
@@ -79,6 +84,7 @@ class Proposer(Protocol):
     name: str
     hidden_layers: list[int]  # target hidden-state indices this proposer needs (empty: none)
     supports_foresight: bool
+    # Optional `state_layers`: linear-attention layers of a hybrid target whose committed state it needs.
 
     def add_request(self, ctx: DraftContext) -> None:
         """A new request whose prompt is `ctx.tokens` (target states in `ctx.hidden`): set up its state."""

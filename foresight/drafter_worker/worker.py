@@ -118,6 +118,7 @@ class DrafterWorker:
     def run(self) -> None:
         self.send_to_api.send(WorkerReady(worker="drafter", pid=os.getpid(), info={
             "proposer": self.proposer.name, "hidden_layers": self.proposer.hidden_layers,
+            "state_layers": list(getattr(self.proposer, "state_layers", [])),
             "supports_foresight": self.proposer.supports_foresight,
             "strategies": ["ar", "ngram"] + sorted(self.strategies), "auto_strategies": auto_strategies(self.strategies),
             "decoder_layers": getattr(getattr(self.proposer, "decoder", None), "n_layers", None),
@@ -159,7 +160,7 @@ class DrafterWorker:
         ctx = self.contexts[msg.req_id] = DraftContext(
             req_id=msg.req_id, tokens=list(msg.prompt_ids), seed=msg.seed, hidden=hidden,
             temperature=msg.temperature, refinement=msg.refinement, proposer=self.proposer.name,
-            sampling=msg.sampling)
+            sampling=msg.sampling, linear_states=msg.linear_states)
         self.add_request(ctx)
 
     def add_request(self, ctx: DraftContext) -> None:
@@ -189,7 +190,7 @@ class DrafterWorker:
             block = ctx.last_block
             price_s = msg.verify_s if msg.verify_share_s is None else msg.verify_share_s
             self.lengths[ctx.proposer].observe(len(block), msg.accepted, price_s, block.confidence)
-        ctx.absorb(msg.accepted, msg.bonus, msg.hidden)
+        ctx.absorb(msg.accepted, msg.bonus, msg.hidden, msg.linear_states)
         ctx.round = msg.round
         proposer = self.strategies.get(msg.strategy)
         ctx.pipelined = msg.strategy == "pipelined"

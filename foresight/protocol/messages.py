@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 
-PROTOCOL_VERSION = 4  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle. 4: Outcome.verify_share_s
+PROTOCOL_VERSION = 5  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle.
+# 4: Outcome.verify_share_s. 5: LinearStates in StartDraft and Outcome
 
 MESSAGE_TYPES: dict[str, type] = {}
 
@@ -154,6 +155,24 @@ class Heartbeat:
 
 
 @message
+class LinearStates:
+    """A hybrid target's committed Gated DeltaNet state at the linear-attention layers the drafter asked for
+    (its foresight decoder's): what those layers hold after positions 0..position-1, the committed tokens
+    before the anchor. Sent with the StartDraft and Outcome that commit those positions; one whose
+    `position` is not the drafter's context length is stale and is never used."""
+
+    KIND: ClassVar[str] = "linear_states"
+    position: int
+    layers: list[int]  # target layer indices, ascending
+    conv: torch.Tensor  # [n_layers, conv_dim, kernel] in the target's dtype
+    recurrent: torch.Tensor  # [n_layers, value_heads, key_dim, value_dim] float32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
+
+
+@message
 class StartDraft:
     """A new request: its prompt and the target states of the prompt positions."""
 
@@ -167,6 +186,7 @@ class StartDraft:
     # The request's sampling and verification rule: foresight scores outcomes under them (top-k, top-p,
     # exact or nucleus). None: temperature alone, exact verification.
     sampling: SamplingParams | None = None
+    linear_states: LinearStates | None = None  # hybrid targets: the state after the prompt (see LinearStates)
 
 
 @message
@@ -194,6 +214,7 @@ class Outcome:
     # Outcome of the next round that wants a block): the committed tokens before `bonus` (`accepted` of
     # them), and `hidden` holds their states. None: `accepted` counts drafts of the drafter's own last block.
     drafts: list[int] | None = None
+    linear_states: LinearStates | None = None  # hybrid targets: the state after the committed positions
 
 
 @message

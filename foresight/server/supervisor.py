@@ -150,7 +150,8 @@ class Supervisor:
         self._pair_drafter = drafter.info
         layers = list(drafter.info.get("hidden_layers", []))
         await self._spawn("target", (self.cfg.to_dict(), self.addrs.to_dict(), layers,
-                                     list(drafter.info["strategies"]), list(drafter.info["auto_strategies"])))
+                                     list(drafter.info["strategies"]), list(drafter.info["auto_strategies"]),
+                                     list(drafter.info.get("state_layers", []))))
 
     def _check_drafter(self, drafter: WorkerReady) -> None:
         if self.cfg.mode != "auto" and self.cfg.mode not in drafter.info["strategies"]:
@@ -161,7 +162,7 @@ class Supervisor:
     async def _start_drafter_alone(self) -> None:
         """A new drafter beside the running target; it must want what the target was started with."""
         drafter = await self._spawn("drafter", (self.cfg.to_dict(), self.addrs.to_dict()))
-        wanted = {k: self._pair_drafter.get(k) for k in ("hidden_layers", "strategies", "auto_strategies")}
+        wanted = {k: self._pair_drafter.get(k) for k in ("hidden_layers", "state_layers", "strategies", "auto_strategies")}
         if {k: drafter.info.get(k) for k in wanted} != wanted:
             await self._kill(self.workers["drafter"])
             raise WorkerStartError(f"the restarted drafter differs from the one the target was started with "

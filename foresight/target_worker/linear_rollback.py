@@ -4,6 +4,9 @@ Their conv and recurrent states are updated in place and cannot be cropped. Befo
 clone those states and capture each mixer's input; once k of the L fed positions are accepted we restore
 the clones and replay only the mixer over the k kept inputs — the GDN projections for k tokens, not a
 second target forward. Full-attention layers of the same cache are cropped as usual.
+
+`committed` copies the states of chosen layers out of a request's cache: the snapshot the drafter's
+foresight decoder continues from (protocol `LinearStates`).
 """
 from __future__ import annotations
 
@@ -34,6 +37,20 @@ class LinearStateRollback:
         handles = [mixer.register_forward_pre_hook(_capture(snap, i), with_kwargs=True)
                    for i, mixer in self.linear.items()]
         return snap, handles
+
+    def check_layers(self, layers: list[int]) -> None:
+        bad = [i for i in layers if i not in self.linear]
+        if bad or layers != sorted(set(layers)):
+            raise ValueError(f"linear-state layers must be distinct ascending linear-attention layers "
+                             f"{sorted(self.linear)}, got {layers}")
+
+    @torch.inference_mode()
+    def committed(self, cache, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the conv [n, conv_dim, kernel] and recurrent [n, v_heads, k_dim, v_dim] states of `layers`
+        (batch row 0): the cache updates its own in place, so the copies must not alias them."""
+        conv = torch.stack([cache.layers[i].conv_states[0][0] for i in layers])
+        recurrent = torch.stack([cache.layers[i].recurrent_states[0][0] for i in layers])
+        return conv, recurrent
 
     @torch.inference_mode()
     def rollback(self, cache, snap: LinearSnapshot, rejected: int) -> None:

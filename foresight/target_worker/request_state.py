@@ -77,6 +77,11 @@ class RequestState:
         self.block_cache_hit = None
         self.block_passes = self.block_refreshes = 0
 
+    @property
+    def cached_positions(self) -> int:
+        """Positions in the cache after a round: every committed token but the anchor."""
+        return len(self.request.prompt_ids) + len(self.output_ids) - 1
+
     def tokens_left(self) -> int:
         return self.request.max_tokens - len(self.output_ids)
 

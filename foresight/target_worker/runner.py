@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from ..protocol.messages import LinearStates
 from .batched_kv import BatchedKV, batchable
 from .linear_rollback import LinearSnapshot, LinearStateRollback
 from .logit_head import LOGIT_PRECISIONS, Fp32LogitHead, needs_fp32_head, soft_cap
@@ -26,13 +27,17 @@ class ForwardResult:
 class TargetRunner:
     """Wraps a Hugging Face causal LM for per-request prefill / verify with a DynamicCache."""
 
-    def __init__(self, model, hidden_layers: list[int] | None = None, logits: str = "fp32-top"):
+    def __init__(self, model, hidden_layers: list[int] | None = None, logits: str = "fp32-top",
+                 state_layers: list[int] | None = None):
+        """`state_layers`: linear-attention layers whose committed state the drafter wants (`linear_states`)."""
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
         # hidden_states index i is the output of decoder layer i-1 (index 0 = embeddings).
         self.hidden_layers = list(hidden_layers or [])
         self.linear = LinearStateRollback(model)  # empty unless the target has linear-attention layers
+        self.state_layers = list(state_layers or [])
+        self.linear.check_layers(self.state_layers)
         # A bf16/fp16 target still decides in fp32: its final norm and LM head run in fp32 (logit_head.py).
         if logits not in LOGIT_PRECISIONS:
             raise ValueError(f"logits must be one of {LOGIT_PRECISIONS}, got {logits!r}")
@@ -143,6 +148,14 @@ class TargetRunner:
         if self.logit_precision == "fp32-top":
             return self.head.refine(low, select)
         return soft_cap(low, getattr(self.config, "final_logit_softcapping", None)).float()
+
+    def linear_states(self, cache: DynamicCache, position: int) -> LinearStates | None:
+        """The committed state of `state_layers` in `cache`, which holds positions 0..position-1 (None: none
+        wanted, or nothing in the cache yet)."""
+        if not self.state_layers or position == 0:
+            return None
+        conv, recurrent = self.linear.committed(cache, self.state_layers)
+        return LinearStates(position=position, layers=list(self.state_layers), conv=conv, recurrent=recurrent)
 
     def rollback(self, cache: DynamicCache, rejected: int, result: ForwardResult) -> None:
         """Drop the last `rejected` positions (the drafts verification did not accept).

@@ -300,7 +300,7 @@ class TargetWorker:
             state.drafting = self.to_drafter(StartDraft(
                 req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.generator),
                 temperature=req.sampling.temperature, refinement=req.refinement, hidden=hidden,
-                sampling=req.sampling))
+                sampling=req.sampling, linear_states=self.runner.linear_states(state.cache, state.prefill_pos)))
         if state.mode == "auto" and state.drafting:
             state.choice = self.chooser.start(request_group(req.sampling.temperature))
         elif state.mode == "auto":
@@ -416,8 +416,9 @@ class TargetWorker:
         state.outcome_sent_at = time.perf_counter()
         if not self.to_drafter(Outcome(req_id=state.req_id, round=state.round, bonus=state.anchor,
                                        max_drafts=self.max_drafts(state), verify_s=state.last_verify_s,
-                                       verify_share_s=state.verify_share_s,
-                                       strategy=state.strategy, **outcome)):
+                                       verify_share_s=state.verify_share_s, strategy=state.strategy,
+                                       linear_states=self.runner.linear_states(state.cache, state.cached_positions),
+                                       **outcome)):
             state.detach()  # no block will come for this round
         elif not state.awaits_block():
             state.drafter_winding_down = state.round  # until its DrafterIdle: see drafter_busy
@@ -461,7 +462,7 @@ class TargetWorker:
 
 
 def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], strategies: list[str],
-         auto_strategies: list[str]) -> None:
+         auto_strategies: list[str], state_layers: list[int] | None = None) -> None:
     """Process entry point (spawned by the launcher)."""
     prepare_worker_process()
     cfg = EngineConfig.from_dict(cfg_dict)
@@ -471,7 +472,7 @@ def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], strategies:
     with worker_lifetime(ctx, addrs, "target"):
         path = resolve_target(cfg.target)
         model = load_target(path, resolve_dtype(cfg.dtype, cfg.target_device), cfg.target_device)
-        runner = TargetRunner(model, hidden_layers)
+        runner = TargetRunner(model, hidden_layers, state_layers=state_layers)
         max_len = cfg.max_model_len or model.config.max_position_embeddings
         TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),
                      tuple(auto_strategies), StepThreads.from_config(cfg)).run()

@@ -9,7 +9,7 @@ VOCAB = 96
 
 
 def tiny_config(arch: str):
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3_5TextConfig, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3NextConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -27,6 +27,12 @@ def tiny_config(arch: str):
         return Qwen3_5TextConfig(head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
                                  linear_key_head_dim=8, linear_value_head_dim=8,
                                  **{**common, "num_hidden_layers": 4})
+    if arch == "qwen3_next":
+        # Hybrid as qwen3_5, with a mixture-of-experts MLP in every layer (4 experts, 2 per token).
+        return Qwen3NextConfig(head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
+                               linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                               **{**common, "num_hidden_layers": 4})
     raise ValueError(arch)
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 
 from foresight.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, ProtocolError, decode, encode, peek_kind
 from foresight.protocol.messages import (
@@ -15,6 +16,7 @@ from foresight.protocol.messages import (
     DrafterStatus,
     GenerateRequest,
     Heartbeat,
+    LinearStates,
     Outcome,
     ReleaseDraft,
     RequestFailed,
@@ -53,7 +55,22 @@ EXAMPLES = [
 
 
 def test_examples_cover_every_kind():
-    assert {type(m).KIND for m in EXAMPLES} == set(MESSAGE_TYPES)
+    with_tensors = {LinearStates.KIND}  # test_tensor_fields_round_trip_inside_a_message
+    assert {type(m).KIND for m in EXAMPLES} == set(MESSAGE_TYPES) - with_tensors
+
+
+def test_tensor_fields_round_trip_inside_a_message():
+    """A hybrid target's snapshot rides in an Outcome: its tensors keep dtype, shape and bits."""
+    states = LinearStates(position=17, layers=[4, 5], conv=torch.randn(2, 48, 4).to(torch.bfloat16),
+                          recurrent=torch.randn(2, 2, 8, 8))
+    out = decode(encode(Outcome(req_id="r1", round=3, accepted=2, bonus=5, max_drafts=4,
+                                hidden=torch.randn(3, 64), linear_states=states)))
+    got = out.linear_states
+    assert type(got) is LinearStates and (got.position, got.layers) == (17, [4, 5])
+    for name in ("conv", "recurrent"):
+        want = getattr(states, name)
+        assert getattr(got, name).dtype == want.dtype and torch.equal(getattr(got, name), want)
+    assert got.nbytes == 2 * 48 * 4 * 2 + 2 * 2 * 8 * 8 * 4
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).KIND)

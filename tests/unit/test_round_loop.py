@@ -19,7 +19,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3", "qwen3_5"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3", "qwen3_5", "qwen3_next"])
 def model(request):
     return tiny_model(request.param)
 

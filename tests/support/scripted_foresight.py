@@ -1,0 +1,70 @@
+"""The real foresight drafter with scripted drafts, to drive the pipelined protocol on any target.
+
+Everything foresight decides stays real: the adapter's prediction, the decoder over it (on a hybrid
+target: from the committed linear-attention state the target sends), the outcome scores and the choice of
+outcomes. Only the draft tokens are scripted: the target's own greedy continuation, with the token at
+one position replaced (the position cycles with the context length, sometimes none), so verification
+ends at every possible outcome (k, a), partial acceptances included. A foresight round hits the cache only
+if the decoder named the realised outcome, which at temperature 0 with a perfect (oracle) adapter needs an
+exact decoder.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from foresight.drafter_worker.foresight import ForesightDrafter
+from foresight.drafter_worker.proposer import Draft
+from foresight.drafter_worker.refinement import Refiner
+
+
+class ScriptedForesight(ForesightDrafter):
+    def __init__(self, target, draft_model, adapter, decoder, **kw):
+        super().__init__(draft_model, adapter, decoder, passes=0, refinement="none", refreshes=0,
+                         use_budget=False, **kw)
+        self.target = target
+        self.vocab = target.config.vocab_size
+        self.decoder_stats: list[tuple[int, int]] = []  # (adopted, stale) of each released request's decoder
+        self.foresee_calls = 0
+
+        self.decoder_errors: list[float] = []  # per foresight call: max |decoder logits - target logits|
+
+    def foresee(self, *args, **kw):
+        self.foresee_calls += 1
+        return super().foresee(*args, **kw)
+
+    @torch.inference_mode()
+    def _predict_block(self, state, ctx, block):
+        """The real prediction, checked against the target's own logits of the block after the context."""
+        pred, logits, dec_states = super()._predict_block(state, ctx, block)
+        n = len(ctx.tokens) - 1
+        truth = self.target(torch.tensor([ctx.tokens + block])).logits[0, n:].float()  # [gamma+1, vocab]
+        self.decoder_errors.append(float((logits - truth).abs().max()))
+        return pred, logits, dec_states
+
+    @torch.inference_mode()
+    def scripted(self, tokens: list[int], n: int) -> list[int]:
+        ids = list(tokens)
+        for _ in range(n):
+            ids.append(int(self.target(torch.tensor([ids])).logits[0, -1].argmax()))
+        draft = ids[len(tokens):]
+        wrong = random.Random(len(tokens)).randrange(n + 1)  # n: none replaced
+        return [(t + 1) % self.vocab if i == wrong else t for i, t in enumerate(draft)]
+
+    def propose_batch(self, ctxs, max_drafts):
+        for ctx, wanted in zip(ctxs, max_drafts):
+            if wanted > 0:
+                self._absorb(ctx, draft_only=True)  # the contexts stay as the real drafter keeps them
+        return [Draft(self.scripted(ctx.tokens, m)) if m > 0 else Draft() for ctx, m in zip(ctxs, max_drafts)]
+
+    def predraft(self, ctx, state, block, picked, states, max_drafts, plan, mode, stop=None) -> Refiner:
+        drafts = torch.tensor([self.scripted(ctx.tokens + block[:o.k] + [o.a], max_drafts) for o in picked])
+        return Refiner(self.bound_rows(state, len(ctx.tokens) - 1), ctx.tokens[-1], block,
+                       [(o.k, o.a) for o in picked], drafts, "none")
+
+    def release(self, req_id: str) -> None:
+        state = self.requests.get(req_id)
+        if state is not None:
+            self.decoder_stats.append((state.decoder.adopted, state.decoder.stale))
+        super().release(req_id)
