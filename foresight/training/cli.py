@@ -60,7 +60,8 @@ def add_train_args(sub) -> None:
     d.add_argument("--label-dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="the target's dtype while labelling (recipe default float32)")
     d.add_argument("--init", default="random",
-                   help="random | target (draft layers from the target's top layers) | a draft checkpoint folder "
+                   help="random | target (draft layers from the target's top attention layers; a hybrid target's "
+                        "full-attention ones, refused if it has fewer than --layers) | a draft checkpoint folder "
                         "(warm start); ignored on --resume")
     d.add_argument("--steps", type=int, default=None)
     d.add_argument("--batch-seqs", type=int, default=None)
@@ -236,6 +237,8 @@ def train_drafter(args: argparse.Namespace) -> int:
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else recipe[name]  # noqa: E731
     path = resolve_target(args.target)
     target = load_target(path, getattr(torch, pick("label_dtype")), args.device)
+    # Before any labelling: --init target needs as many attention layers in the target as --layers.
+    init = validate_init(args.init, target, args.layers) if args.phase in ("all", "train") else args.init
     n_layers = target.config.num_hidden_layers
     layers = [int(x) for x in args.target_layers.split(",")] if args.target_layers else default_target_layers(n_layers)
     topk = 32
@@ -264,7 +267,7 @@ def train_drafter(args: argparse.Namespace) -> int:
             steps=pick("steps"), batch_seqs=pick("batch_seqs"), anchors=pick("anchors"), block_size=args.block_size,
             num_layers=args.layers, vocab_subset=args.vocab_subset, lr=args.lr, ckpt_every=pick("ckpt_every"),
             seed=args.seed, device=args.device, time_budget_s=args.time_budget,
-            init=validate_init(args.init)).items() if k in names})
+            init=init).items() if k in names})
         target = target.float()  # shared embedding / LM head in fp32 for training
         t0 = time.perf_counter()
         report = train(target, LabelledData(data_dir), Path(args.out), s, resume=args.resume)

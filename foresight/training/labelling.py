@@ -58,8 +58,9 @@ class Labeller:
         for i, s in enumerate(seqs):  # right padding: real positions keep positions 0..len-1
             ids[i, :len(s)] = torch.tensor(s)
             mask[i, :len(s)] = 1
+        # No cache: one pass, nothing to continue (a hybrid target would also build its recurrent states).
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         output_hidden_states=self.s.layers, logits_to_keep=0)
+                         output_hidden_states=self.s.layers, logits_to_keep=0, use_cache=False)
         hidden = torch.cat([out.hidden_states[i].float() for i in self.s.layers], dim=-1)  # [B, n, F]
         hidden = hidden.clamp(-FP16_MAX, FP16_MAX).half().cpu()
         logp, top = torch.log_softmax(out.logits.float(), dim=-1).topk(self.s.topk, dim=-1)  # [B, n, k]

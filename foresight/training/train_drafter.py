@@ -48,7 +48,7 @@ class TrainSettings:
     device: str = "cpu"
     bf16: bool = True  # autocast matmuls to bf16 on CUDA (on CPU autocast bf16 measured 18x slower than fp32)
     time_budget_s: float = 0.0  # > 0: after BUDGET_PROBE steps, cut `steps` to what fits (the schedule follows)
-    init: str = "random"  # random | target (its top layers) | a checkpoint folder (warm start); see draft_init
+    init: str = "random"  # random | target (its top attention layers) | a checkpoint folder (warm start); see draft_init
 
 
 def lr_at(step: int, s: TrainSettings) -> float:

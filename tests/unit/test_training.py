@@ -1,5 +1,9 @@
 """Drafter training on tiny random models: labelling (shapes, decontamination, resume), block sampling,
-the loss going down, the schedule, resumable training, and the offline evaluation loop."""
+the loss going down, the schedule, resumable training, and the offline evaluation loop.
+
+The target is a tiny Llama unless a test asks for another architecture (`@ARCHS`: the hybrid targets,
+Qwen3.5 and Qwen3-Next, whose Gated DeltaNet layers keep recurrent state instead of a croppable KV cache);
+`data_dir` is then labelled by that target."""
 from __future__ import annotations
 
 import json
@@ -14,15 +18,19 @@ from foresight.models.draft_model import DraftModel, SharedWeights
 from foresight.target_worker.runner import TargetRunner
 from foresight.training.corpus import Conversation, Decontaminator, conversations_from_source, eval_texts
 from foresight.training.dataset import LabelledData, choose_vocab_subset, sample_blocks
+from foresight.training.draft_init import initialise, validate_init
 from foresight.training.eval_drafter import greedy_reference, speculate
 from foresight.training.labelling import DataDir, LabelSettings, Labeller, label_all
 from foresight.training.train_drafter import TrainSettings, build_model, kl_loss, lr_at, steps_within_budget, train
-from support.tiny_models import VOCAB, tiny_model
+from support.tiny_models import VOCAB, plain_greedy, tiny_model
 from support.toy_text import toy_encode
 
 torch.set_num_threads(1)
 
 LAYERS = [1, 3]
+HYBRID = ["qwen3_5", "qwen3_next"]  # 3 Gated DeltaNet layers, then 1 full-attention layer
+# The tests that run on every target kind: `target` (and with it `data_dir`) parametrised indirectly.
+ARCHS = pytest.mark.parametrize("target", ["llama", *HYBRID], indirect=True)
 SOURCE = '''
 def scale(values, factor=2):
     """Multiply every value by factor and return the new list of values."""
@@ -41,8 +49,8 @@ class Box:
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_model("llama")
+def target(request):
+    return tiny_model(getattr(request, "param", "llama"))
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +93,7 @@ def test_corpus_from_source_and_decontamination():
     assert dropped == 1 and leaked not in kept and len(kept) == len(convs)
 
 
+@ARCHS
 def test_labelled_shards(data_dir, target):
     meta = json.loads((data_dir / "meta.json").read_text())
     text, regen = meta["streams"]["text"], meta["streams"]["regen"]
@@ -101,14 +110,17 @@ def test_labelled_shards(data_dir, target):
         assert shard["topk_ids"].shape == shard["topk_logp"].shape == (n, 8)
         assert (shard["topk_logp"][:, :-1] >= shard["topk_logp"][:, 1:]).all()  # sorted top-k
     assert total == text["tokens"] + regen["tokens"]
-    # the stored labels are the target's own: recompute one sequence
+    # the stored labels are the target's own: recompute every sequence of a shard alone (labelled two to a
+    # padded forward: a right-padded row must not differ, whatever state the target's layers keep)
     shard = load_file(str(data_dir / text["shards"][0]))
-    a, b = shard["offsets"][:2].tolist()
-    ids = shard["tokens"][a:b].long()[None]
-    with torch.no_grad():
-        out = target(ids, output_hidden_states=LAYERS)
-    torch.testing.assert_close(shard["hidden"][a:b, :32].float(), out.hidden_states[1][0], rtol=1e-2, atol=1e-2)
-    assert torch.equal(shard["topk_ids"][a:b, 0].long(), out.logits[0].argmax(-1))
+    offsets = shard["offsets"].tolist()
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        ids = shard["tokens"][a:b].long()[None]
+        with torch.no_grad():
+            out = target(ids, output_hidden_states=LAYERS)
+        states = torch.cat([out.hidden_states[i][0] for i in LAYERS], dim=-1)
+        torch.testing.assert_close(shard["hidden"][a:b].float(), states, rtol=1e-2, atol=1e-2)
+        assert torch.equal(shard["topk_ids"][a:b, 0].long(), out.logits[0].argmax(-1))
 
 
 def test_labelling_resumes_without_duplicates(tmp_path, target, conversations):
@@ -217,6 +229,7 @@ def test_time_budget_is_refitted_until_the_decay(data_dir, target, tmp_path, mon
     assert s.steps == 400
 
 
+@ARCHS
 def test_training_steps_lower_the_loss(data_dir, target):
     data = LabelledData(data_dir)
     s = TrainSettings(num_layers=1, block_size=8, context_window=32, vocab_subset=0, seed=0)
@@ -233,6 +246,7 @@ def test_training_steps_lower_the_loss(data_dir, target):
     assert losses[-1] < 0.5 * losses[0]
 
 
+@ARCHS
 def test_train_resume_matches_uninterrupted_run(data_dir, target, tmp_path):
     data = LabelledData(data_dir)
     s = dict(num_layers=1, block_size=8, context_window=32, vocab_subset=50, batch_seqs=2, anchors=2, warmup=2,
@@ -249,16 +263,33 @@ def test_train_resume_matches_uninterrupted_run(data_dir, target, tmp_path):
     assert model.config.vocab_subset_size == 50 and model.config.target_layers == LAYERS
 
 
+@ARCHS
 def test_eval_loop_is_lossless_and_counts_rounds(data_dir, target, tmp_path):
+    """Greedy speculation through the real round loop gives plain greedy decoding, one entry per round.
+    Rejected drafts are rolled back (on a hybrid target: its linear-attention states restored and replayed):
+    every verification scores its block as an uncached forward over the whole sequence does. (The tiny
+    targets' greedy output repeats the prompt's last token, so the tokens alone would not show a wrong
+    state; the logits do.)"""
     data = LabelledData(data_dir)
     model = build_model(target, data, TrainSettings(num_layers=1, block_size=8, context_window=32, vocab_subset=0))
     proposer = JetSpecProposer(model.eval(), passes=1)
     runner = TargetRunner(target, proposer.hidden_layers)
     prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
     ref, gaps = greedy_reference(runner, prompt, 24, [VOCAB - 1])
-    got = speculate(runner, proposer, prompt, 24, 0.0, 6, 0, [VOCAB - 1])
-    assert got["tokens"] == ref and len(gaps) == len(ref)
-    assert sum(a + 1 for a in got["accepted"]) + 1 >= len(ref)
+    assert ref == plain_greedy(target, prompt, 24, VOCAB - 1)  # the cached reference is the uncached one
+    verified = []
+
+    def same_as_uncached(ctx, block, result, verdict):  # ctx.tokens: the committed tokens, the anchor last
+        with torch.no_grad():
+            fresh = target(torch.tensor([ctx.tokens + block.tokens])).logits[0, -len(block) - 1:]
+        torch.testing.assert_close(result.logits, fresh, atol=1e-4, rtol=1e-4)
+        verified.append(len(block))
+
+    got = speculate(runner, proposer, prompt, 24, 0.0, 6, 0, [VOCAB - 1], on_verified=same_as_uncached)
+    assert got["tokens"] == ref and len(gaps) == len(ref) and len(verified) == len(got["accepted"])
+    committed = [a + 1 for a in got["accepted"]]  # per round: the accepted drafts and the target's token
+    assert sum(committed) + 1 >= len(ref) > sum(committed[:-1]) + 1  # the prefill's token, then the rounds
+    assert any(a < 5 for a in got["accepted"][:-1])  # drafts were rejected and rolled back
     assert speculate(runner, proposer, prompt, 24, 1.0, 6, 5, [VOCAB - 1])["tokens"] == \
         speculate(runner, proposer, prompt, 24, 1.0, 6, 5, [VOCAB - 1])["tokens"]
 
@@ -301,3 +332,41 @@ def test_labelling_stops_before_a_call_that_would_pass_the_deadline(tmp_path, ta
     st = data.stream("text")
     # calls at t=0 and t=10 end by 20; the next would end at 30 > 25: two calls, written before stopping
     assert st["items_done"] == 4 and len(st["shards"]) == 1 and st["sequences"] >= 1
+
+
+@pytest.mark.parametrize("arch", ["llama", *HYBRID])
+def test_init_from_the_targets_top_attention_layers(arch, tmp_path):
+    """`--init target`: the draft layers start from the target's top softmax-attention layers (a hybrid's
+    full-attention ones), computing what they compute: the same normalisation (Qwen3.5 / Qwen3-Next store
+    zero-centred norm weights) and the query half of a gated attention's q_proj. A hybrid with fewer
+    full-attention layers than the draft has layers is refused, naming the option."""
+    from foresight.models.draft_model import DraftConfig
+
+    target = tiny_model(arch)
+    with torch.no_grad():  # norms away from their initial value, so a wrong convention shows
+        for name, p in target.named_parameters():
+            if "norm" in name:
+                p.normal_(0.5, 0.2)
+    full = [i for i, t in enumerate(getattr(target.config, "layer_types", None) or ["full_attention"] * 3)
+            if t == "full_attention"]
+    model = DraftModel(DraftConfig.for_target(target.config, num_layers=1), SharedWeights.from_target(target))
+    report = initialise(model, target, "target")
+    assert report["target_layers"] == [full[-1]] and report["tensors"] >= 8
+    layer, source = model.layers[0], target.model.layers[full[-1]]
+    x = torch.randn(5, target.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(layer.input_norm(x), source.input_layernorm(x), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(layer.post_norm(x), source.post_attention_layernorm(x), atol=1e-4, rtol=1e-4)
+        heads, d = target.config.num_attention_heads, layer.head_dim
+        query = source.self_attn.q_proj(x).view(5, heads, -1)[..., :d].reshape(5, heads * d)
+        torch.testing.assert_close(layer.q_proj(x), query)
+        torch.testing.assert_close(layer.k_proj(x), source.self_attn.k_proj(x))
+    if arch == "qwen3_next":  # a mixture-of-experts MLP: nothing dense to copy
+        assert {n.split(".")[-2] for n in report["skipped"]} == {"gate_proj", "up_proj", "down_proj"}
+    if arch in HYBRID:
+        two = DraftModel(DraftConfig.for_target(target.config, num_layers=2), SharedWeights.from_target(target))
+        with pytest.raises(ValueError, match="--init target.*--layers 1"):
+            initialise(two, target, "target")
+        with pytest.raises(ValueError, match="--init target"):
+            validate_init("target", target, 2)  # the CLI's check, before any labelling
+    assert validate_init("target", target, 1) == "target"
