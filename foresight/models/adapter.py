@@ -8,9 +8,10 @@ states of the verified context at those same indices.
     stage s (one per index l = target_indices[s], ascending): a short stack of transformer layers,
         initialised as copies of the target layers just below l (l-1, or l-2 and l-1).
         input   the prediction of the stage below (the target's shared token embeddings, index 0, at the bottom)
-        context every layer of the stage attends to keys/values made by ITS OWN input norm + k/v projections
-                (RoPE at the true positions) from the TRUE context states at index l; cached per request and
-                extended incrementally (`AdapterContext`)
+        context every attention layer of the stage attends to keys/values made by ITS OWN input norm + k/v
+                projections (RoPE at the true positions) from the TRUE context states at index l; a linear-
+                attention layer continues the state ITS OWN input norm + mixer reach over those states; cached
+                per request and extended incrementally (`AdapterContext`)
         block   causal inside the block; queries/keys at the block's true positions
         output  the predicted residual-stream states at index l (the input of the next stage)
 
@@ -20,19 +21,30 @@ them, and the paper's adapter attends to the cached prefix at layer l (h^l_{<n})
 from what the copied layer saw in the target; training absorbs that mismatch.
 
 What the initialisation makes exact (tests/unit/test_adapter.py): a 1-layer stage copied from target layer
-l-1, given the TRUE block states at index l-1 as input and context keys/values computed from the TRUE
-context states at index l-1, reproduces the target's index-l states exactly (it IS target layer l-1, run by
-hand). Hence with consecutive indices (l- = l-1, embeddings at the bottom for l=1) and the context slots
-filled with the index-(l-1) states, `predict` reproduces the target exactly. With the served inputs (context
-at index l, inputs from the stage below at l- < l-1) it is only an initialisation.
+l-1, given the TRUE block states at index l-1 as input and its context (keys/values, or a linear layer's
+state) computed from the TRUE context states at index l-1, reproduces the target's index-l states exactly
+(it IS target layer l-1, run by hand). Hence with consecutive indices (l- = l-1, embeddings at the bottom for
+l=1) and the context slots filled with the index-(l-1) states, `predict` reproduces the target exactly. With
+the served inputs (context at index l, inputs from the stage below at l- < l-1) it is only an initialisation.
 
-Only models whose layers have the Llama structure and full attention (llama, qwen3) are supported.
+Supported targets (`ADAPTER_MODEL_TYPES`): Llama-structured full-attention models (llama, qwen3) and the
+hybrids Qwen3.5 / Qwen3-Next, whose layers are mostly Gated DeltaNet (linear attention) with gated full
+attention every 4th layer (the layer classes: foresight/models/adapter_layers.py). A stage's layer is a copy
+of its target layer whatever the kind; states are read and predicted at a linear-attention layer's index as
+at an attention layer's. Its context is the layer's committed state: the (causal-conv, recurrent) state its
+own (copied, then trained) input norm + mixer reach over the TRUE context states at index l -- the same
+recipe as an attention layer's context keys/values. A block runs causally from a copy of it. A recurrence
+keeps only its state after the last position, so with linear-attention layers the context grows only at its
+end (`extend_context` at start_pos = length, `predict` from length: what the foresight drafter does) and a
+rollback raises ValueError (per-position states would cost a recurrent state per position and layer).
+RoPE comes from the target's inverse frequencies: with partial rotary (Qwen3.5 / Next: a quarter of head_dim)
+cos/sin cover the rotary dims only, and Qwen3.5's multimodal RoPE is plain RoPE at text positions.
+
 The checkpoint is a folder (config.json + model.safetensors, fp16); the token embedding and the RoPE
 frequencies come from the target at load time and are never stored.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -43,14 +55,18 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .decoder import SUPPORTED_MODEL_TYPES
-from .draft_model import SharedWeights, _rope, default_target_layers, is_checkpoint
+from .adapter_layers import AdapterLayer, LinearAdapterLayer, block_layout
+from .draft_model import SharedWeights, default_target_layers, is_checkpoint
 
 FORMAT = "foresight-adapter"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
-__all__ = ["AdapterConfig", "Adapter", "AdapterContext", "default_adapter_indices", "is_adapter_checkpoint"]
+__all__ = ["ADAPTER_MODEL_TYPES", "AdapterConfig", "Adapter", "AdapterContext", "default_adapter_indices",
+           "is_adapter_checkpoint"]
+
+ADAPTER_MODEL_TYPES = ("llama", "qwen3", "qwen3_5_text", "qwen3_next")  # Qwen3.5 text model: qwen3_5_text
+LAYER_CLASSES = {"full_attention": AdapterLayer, "linear_attention": LinearAdapterLayer}
 
 
 def default_adapter_indices(num_layers: int) -> list[int]:
@@ -104,77 +120,37 @@ class AdapterConfig:
 
 @dataclass(slots=True)
 class AdapterContext:
-    """One request's verified context: per stage, per layer, keys/values [T, kv_heads, head_dim] (RoPE applied)
-    of positions 0..T-1. Never modified in place: `extend_context` returns a new one."""
+    """One request's verified context, positions 0..length-1, per stage, per layer: an attention layer's
+    keys/values [T, kv_heads, head_dim] (RoPE applied); a linear-attention layer's `states` (conv
+    [conv_dim, kernel], recurrent [v_heads, k_dim, v_dim]) after position length-1 (None before position 0).
+    A layer's slots in the other lists hold None; `states` is empty for an adapter without linear layers.
+    Never modified in place: `extend_context` returns a new one."""
 
-    keys: list[list[torch.Tensor]] = field(default_factory=list)
-    values: list[list[torch.Tensor]] = field(default_factory=list)
+    keys: list[list[torch.Tensor | None]] = field(default_factory=list)
+    values: list[list[torch.Tensor | None]] = field(default_factory=list)
     length: int = 0
+    states: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return self.length
-
-
-class AdapterLayer(nn.Module):
-    """A copy of one target decoder layer (Llama structure), run by hand so its attention can read
-    context keys/values computed from other states than its block input."""
-
-    def __init__(self, target_layer: nn.Module):
-        super().__init__()
-        attn = target_layer.self_attn
-        self.input_norm = copy.deepcopy(target_layer.input_layernorm)
-        self.q_proj = copy.deepcopy(attn.q_proj)
-        self.k_proj = copy.deepcopy(attn.k_proj)
-        self.v_proj = copy.deepcopy(attn.v_proj)
-        self.o_proj = copy.deepcopy(attn.o_proj)
-        self.q_norm = copy.deepcopy(attn.q_norm) if getattr(attn, "q_norm", None) is not None else nn.Identity()
-        self.k_norm = copy.deepcopy(attn.k_norm) if getattr(attn, "k_norm", None) is not None else nn.Identity()
-        self.post_norm = copy.deepcopy(target_layer.post_attention_layernorm)
-        self.mlp = copy.deepcopy(target_layer.mlp)
-        self.head_dim = attn.head_dim
-        self.heads = self.q_proj.out_features // self.head_dim
-        self.kv_heads = self.k_proj.out_features // self.head_dim
-        self.scaling = float(attn.scaling)
-
-    def context_kv(self, states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """states [G, T, H] (raw residual states) -> k, v [G, T, kv, d], as the target layer would make them."""
-        g, t, _ = states.shape
-        h = self.input_norm(states)
-        k = self.k_norm(self.k_proj(h).view(g, t, self.kv_heads, self.head_dim))
-        return _rope(k, cos, sin), self.v_proj(h).view(g, t, self.kv_heads, self.head_dim)
-
-    def forward(self, x, ctx_k, ctx_v, cos, sin, mask):
-        """x [G, Q, H]; ctx_k/v [G, T, kv, d]; cos/sin [G, Q, d]; mask [G, Q, T+Q] bool (True = attend)."""
-        g, q_len, _ = x.shape
-        h = self.input_norm(x)
-        q = _rope(self.q_norm(self.q_proj(h).view(g, q_len, self.heads, self.head_dim)), cos, sin)
-        k, v = self.context_kv(x, cos, sin)
-        keys, values = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)  # [G, T+Q, kv, d]
-        rep = self.heads // self.kv_heads
-        if rep > 1:
-            keys, values = keys.repeat_interleave(rep, dim=2), values.repeat_interleave(rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=mask[:, None], scale=self.scaling)  # [G, heads, Q, d]
-        x = x + self.o_proj(out.transpose(1, 2).reshape(g, q_len, self.heads * self.head_dim))
-        return x + self.mlp(self.post_norm(x))
 
 
 class Adapter(nn.Module):
     def __init__(self, config: AdapterConfig, target_model):
         super().__init__()
         tcfg = target_model.config.get_text_config(decoder=True)
-        if getattr(tcfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-            raise NotImplementedError(f"adapter supports model types {SUPPORTED_MODEL_TYPES}, got {tcfg.model_type!r}")
+        if getattr(tcfg, "model_type", None) not in ADAPTER_MODEL_TYPES:
+            raise NotImplementedError(f"adapter supports model types {ADAPTER_MODEL_TYPES}, got {tcfg.model_type!r}")
         layer_types = getattr(tcfg, "layer_types", None) or ["full_attention"] * tcfg.num_hidden_layers
-        used = {i for stage in config.stage_layers for i in stage}
-        if any(layer_types[i] != "full_attention" for i in used):
-            raise NotImplementedError("adapter supports only full-attention layers")
+        kinds = [[layer_types[i] for i in stage] for stage in config.stage_layers]
+        if any(kind not in LAYER_CLASSES for stage in kinds for kind in stage):
+            raise NotImplementedError(f"adapter supports {sorted(LAYER_CLASSES)} layers, its stages copy {kinds}")
         if tcfg.hidden_size != config.hidden_size or tcfg.num_hidden_layers != config.num_target_layers:
             raise ValueError("adapter config does not match the target model")
         self.config = config
         layers = target_model.model.layers
-        self.stages = nn.ModuleList(nn.ModuleList(AdapterLayer(layers[i]) for i in stage)
-                                    for stage in config.stage_layers)
+        self.stages = nn.ModuleList(nn.ModuleList(LAYER_CLASSES[kind](layers[i]) for i, kind in zip(stage, ks))
+                                    for stage, ks in zip(config.stage_layers, kinds))
         # RoPE tables from the target's inverse frequencies (incl. any rope-type rescaling), kept as a plain
         # float32 attribute: a buffer would be cast by .to(fp16), and fp16 angles are wrong at long positions.
         rot = target_model.model.rotary_emb
@@ -246,8 +222,14 @@ class Adapter(nn.Module):
     def num_trainable(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
+    @property
+    def has_linear(self) -> bool:
+        """Whether a stage holds a linear-attention layer (its context is a state, not keys/values)."""
+        return any(isinstance(layer, LinearAdapterLayer) for stage in self.stages for layer in stage)
+
     def rope(self, positions: torch.Tensor):
-        """positions [G, S] -> cos, sin [G, S, d] in the model dtype (angles in float32, as the target does)."""
+        """positions [G, S] -> cos, sin [G, S, r] in the model dtype (angles in float32, as the target does);
+        r = the rotary dims of a head (head_dim, or its first part with partial RoPE)."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
         angles = positions.float()[..., None] * self._inv_freq
@@ -262,23 +244,31 @@ class Adapter(nn.Module):
         return list(states.to(self.dtype).unflatten(-1, (len(self.stages), self.config.hidden_size)).unbind(-2))
 
     def context_kv(self, states: torch.Tensor, positions: torch.Tensor):
-        """states [G, T, n_idx*H] true context states at positions [G, T] -> per stage, per layer k, v lists."""
+        """states [G, T, n_idx*H] true context states at positions [G, T] -> per stage, per layer k, v lists
+        (None for a linear-attention layer)."""
         cos, sin = self.rope(positions)
         keys, values = [], []
         for stage, h in zip(self.stages, self.split(states)):
-            kv = [layer.context_kv(h, cos, sin) for layer in stage]
+            kv = [(None, None) if isinstance(layer, LinearAdapterLayer) else layer.context_kv(h, cos, sin)
+                  for layer in stage]
             keys.append([k for k, _ in kv])
             values.append([v for _, v in kv])
         return keys, values
 
-    def run_stages(self, x, keys, values, positions, mask) -> list[torch.Tensor]:
+    def run_stages(self, x, keys, values, positions, mask, states=None, blocks: int = 1) -> list[torch.Tensor]:
         """x [G, Q, H] bottom input (embeddings); keys/values per stage per layer [G, T, kv, d]; positions [G, Q];
-        mask [G, Q, T+Q]. Each stage reads the previous stage's prediction. Returns per index [G, Q, H]."""
+        mask [G, Q, T+Q]; states per stage per layer: a linear-attention layer's state before each block
+        (conv, recurrent [G*blocks, ...], None = before position 0), each row holding `blocks` equal contiguous
+        blocks. Each stage reads the previous stage's prediction. Returns per index [G, Q, H]."""
         cos, sin = self.rope(positions)
         outs = []
-        for stage, ks, vs in zip(self.stages, keys, values):
-            for layer, k, v in zip(stage, ks, vs):
-                x = layer(x, k, v, cos, sin, mask)
+        for s, (stage, ks, vs) in enumerate(zip(self.stages, keys, values)):
+            for j, (layer, k, v) in enumerate(zip(stage, ks, vs)):
+                if isinstance(layer, LinearAdapterLayer):
+                    g, q, h = x.shape
+                    x = layer(x.reshape(g * blocks, q // blocks, h), states[s][j]).reshape(g, q, h)
+                else:
+                    x = layer(x, k, v, cos, sin, mask)
             outs.append(x)
         return outs
 
@@ -286,76 +276,130 @@ class Adapter(nn.Module):
 
     def forward_blocks(self, ctx_states, tokens, positions, mask) -> torch.Tensor:
         """ctx_states [G, T, n_idx*H] true states of positions 0..T-1 (zero-padded rows are masked out);
-        tokens/positions [G, Q] (any number of blocks per row); mask [G, Q, T+Q] bool.
+        tokens/positions [G, Q] (any number of blocks per row); mask [G, Q, T+Q] bool. With linear-attention
+        layers the mask must be sample_adapter_blocks' layout (equal contiguous blocks, each seeing a context
+        prefix; `block_layout`): their per-block start states come from running over the context in segments.
         Returns the predictions [G, Q, n_idx*H] (target_indices order)."""
         g, t = ctx_states.shape[:2]
         ctx_pos = torch.arange(t, device=tokens.device).expand(g, t)
         keys, values = self.context_kv(ctx_states, ctx_pos)
-        return torch.cat(self.run_stages(self.embed(tokens), keys, values, positions, mask), dim=-1)
+        states, blocks = None, 1
+        if self.has_linear:
+            ctx_lens, blocks = block_layout(mask, t)  # [G, A]
+            states = [[layer.block_start_states(h, ctx_lens) if isinstance(layer, LinearAdapterLayer) else None
+                       for layer in stage] for stage, h in zip(self.stages, self.split(ctx_states))]
+        return torch.cat(self.run_stages(self.embed(tokens), keys, values, positions, mask, states, blocks), dim=-1)
 
     # ------------------------------------------------------------------ inference: cached context per request
 
     def new_context(self) -> AdapterContext:
-        return AdapterContext([[] for _ in self.stages], [[] for _ in self.stages], 0)
+        if not self.has_linear:
+            return AdapterContext([[] for _ in self.stages], [[] for _ in self.stages], 0)
+        nones = lambda: [[None] * len(stage) for stage in self.stages]  # noqa: E731
+        return AdapterContext(nones(), nones(), 0, nones())
+
+    def _check_end(self, actx: AdapterContext, start_pos: int, what: str) -> None:
+        if start_pos != actx.length and self.has_linear:
+            raise ValueError(f"{what} at {start_pos}: a linear-attention layer holds only its state after the "
+                             f"context's last position ({actx.length - 1}), it cannot restart earlier")
 
     @torch.inference_mode()
     def extend_context(self, actx: AdapterContext, states: torch.Tensor, start_pos: int) -> AdapterContext:
         """A new context = actx's positions < start_pos + `states` [n, n_idx*H] (true states, target_indices order)
         at positions start_pos..start_pos+n-1. start_pos may lie before the end (the tail is replaced, e.g. a
-        rollback) but not after it. actx itself is not modified, so contexts can branch."""
+        rollback; not with linear-attention layers) but not after it. actx itself is not modified, so contexts
+        can branch."""
         if not 0 <= start_pos <= actx.length:
             raise ValueError(f"context holds positions 0..{actx.length - 1}; cannot extend at {start_pos}")
+        self._check_end(actx, start_pos, "cannot extend the context")
         n = states.shape[0]
+        states = states.to(self.device)[None]
         positions = torch.arange(start_pos, start_pos + n, device=self.device)[None]
-        keys, values = self.context_kv(states.to(self.device)[None], positions)
-        cat = lambda old, new: torch.cat([old[:start_pos], new[0]]) if start_pos else new[0]  # noqa: E731
+        keys, values = self.context_kv(states, positions)
+        cat = lambda old, new: (None if new is None  # noqa: E731
+                                else torch.cat([old[:start_pos], new[0]]) if start_pos else new[0])
         if actx.length:
             keys = [[cat(o, k) for o, k in zip(os_, ks)] for os_, ks in zip(actx.keys, keys)]
             values = [[cat(o, v) for o, v in zip(os_, vs)] for os_, vs in zip(actx.values, values)]
         else:
-            keys = [[k[0] for k in ks] for ks in keys]
-            values = [[v[0] for v in vs] for vs in values]
-        return AdapterContext(keys, values, start_pos + n)
+            keys = [[cat(None, k) for k in ks] for ks in keys]
+            values = [[cat(None, v) for v in vs] for vs in values]
+        committed = []
+        if self.has_linear:
+            for stage, h, olds in zip(self.stages, self.split(states), actx.states):
+                news = [layer.context_state(h, _rows(old, 1)) if isinstance(layer, LinearAdapterLayer) else None
+                        for layer, old in zip(stage, olds)]
+                committed.append([None if st is None else (st[0][0], st[1][0]) for st in news])
+        return AdapterContext(keys, values, start_pos + n, committed)
+
+    def _block_context(self, actx: AdapterContext, start_pos: int, b: int):
+        """Per stage, per layer: context keys/values [b, start_pos, kv, d] (views) and linear-attention states
+        (copies, [b, ...]) for b rows that continue actx at start_pos."""
+        keys, values, states = [], [], []
+        for s, stage in enumerate(self.stages):
+            ks, vs, sts = [], [], []
+            for j, layer in enumerate(stage):
+                k = v = st = None
+                if isinstance(layer, LinearAdapterLayer):
+                    st = _rows(actx.states[s][j], b)
+                elif actx.length:
+                    k = actx.keys[s][j][:start_pos].expand(b, -1, -1, -1)
+                    v = actx.values[s][j][:start_pos].expand(b, -1, -1, -1)
+                else:
+                    k = v = torch.zeros(b, 0, layer.kv_heads, layer.head_dim, device=self.device, dtype=self.dtype)
+                ks.append(k)
+                vs.append(v)
+                sts.append(st)
+            keys.append(ks)
+            values.append(vs)
+            states.append(sts)
+        return keys, values, states
 
     @torch.inference_mode()
     def predict(self, actx: AdapterContext, tokens: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
         """Predicted states [B, L, n_idx*H] (target_indices order) of tokens [B, L] at positions
-        start_pos..start_pos+L-1 (default: the context length); every row continues the same context (its
-        positions < start_pos), causally inside the block. actx is not modified."""
+        start_pos..start_pos+L-1 (default: the context length; with linear-attention layers it must be); every
+        row continues the same context (its positions < start_pos), causally inside the block. actx is not
+        modified."""
         start_pos = actx.length if start_pos is None else start_pos
         if not 0 <= start_pos <= actx.length:
             raise ValueError(f"block must start within the context 0..{actx.length}, got {start_pos}")
+        self._check_end(actx, start_pos, "cannot predict a block")
         tokens = tokens.to(self.device).long()
         b, l = tokens.shape
-        keys = [[k[:start_pos].expand(b, -1, -1, -1) for k in ks] for ks in actx.keys] if actx.length else None
-        values = [[v[:start_pos].expand(b, -1, -1, -1) for v in vs] for vs in actx.values] if actx.length else None
-        if keys is None:
-            kv, d = self.stages[0][0].kv_heads, self.stages[0][0].head_dim
-            empty = torch.zeros(b, 0, kv, d, device=self.device, dtype=self.dtype)
-            keys = [[empty for _ in stage] for stage in self.stages]
-            values = keys
+        keys, values, states = self._block_context(actx, start_pos, b)
         causal = torch.ones(l, l, dtype=torch.bool, device=self.device).tril()
         mask = torch.cat([torch.ones(l, start_pos, dtype=torch.bool, device=self.device), causal], dim=1)
         positions = torch.arange(start_pos, start_pos + l, device=self.device).expand(b, l)
-        outs = self.run_stages(self.embed(tokens), keys, values, positions, mask.expand(b, l, -1))
+        outs = self.run_stages(self.embed(tokens), keys, values, positions, mask.expand(b, l, -1), states)
         return torch.cat(outs, dim=-1)
 
     @torch.inference_mode()
     def stage_forward(self, stage: int, x: torch.Tensor, ctx_states: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """Diagnostic: stage `stage` alone on inputs x [B, L, H] at positions start_pos.., attending causally to
-        context keys/values made from ctx_states [T, H] (positions 0..T-1, T >= start_pos). -> [B, L, H]."""
+        """Diagnostic: stage `stage` alone on inputs x [B, L, H] at positions start_pos.., causally continuing
+        the context made from ctx_states [T, H] (positions 0..T-1, T >= start_pos). -> [B, L, H]."""
         b, l, _ = x.shape
         ctx = ctx_states[:start_pos].to(self.device, self.dtype)[None]
         cos, sin = self.rope(torch.arange(start_pos, device=self.device)[None])
-        kv = [layer.context_kv(ctx, cos, sin) for layer in self.stages[stage]]
+        ctxs = [layer.context_state(ctx) if isinstance(layer, LinearAdapterLayer) else layer.context_kv(ctx, cos, sin)
+                for layer in self.stages[stage]]
         positions = torch.arange(start_pos, start_pos + l, device=self.device).expand(b, l)
         cos, sin = self.rope(positions)
         causal = torch.ones(l, l, dtype=torch.bool, device=self.device).tril()
         mask = torch.cat([torch.ones(l, start_pos, dtype=torch.bool, device=self.device), causal], 1).expand(b, l, -1)
         h = x.to(self.device, self.dtype)
-        for layer, (k, v) in zip(self.stages[stage], kv):
-            h = layer(h, k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1), cos, sin, mask)
+        for layer, c in zip(self.stages[stage], ctxs):
+            if isinstance(layer, LinearAdapterLayer):
+                h = layer(h, None if c is None else _rows((c[0][0], c[1][0]), b))
+            else:
+                h = layer(h, c[0].expand(b, -1, -1, -1), c[1].expand(b, -1, -1, -1), cos, sin, mask)
         return h
+
+
+def _rows(state, b: int):
+    """A committed state (conv [conv_dim, kernel], recurrent [v_heads, k_dim, v_dim]) or None -> a copy for b
+    rows ([b, ...] each; None stays None). Copies: no kernel can then write into the context."""
+    return None if state is None else tuple(t.expand(b, *t.shape).clone() for t in state)
 
 
 def is_adapter_checkpoint(path: str | Path) -> bool:

@@ -45,6 +45,12 @@ class TargetRunner:
         self.head = Fp32LogitHead(model) if self.logit_precision != "model" else None
         self.last_batch: BatchedKV | None = None  # the last batched forward's KV layout, reused while it fits
 
+    @classmethod
+    def for_proposer(cls, model, proposer, **kw) -> "TargetRunner":
+        """A runner that sends what `proposer` reads: target states at its `hidden_layers` and, on a hybrid
+        target, the committed state of its `state_layers`."""
+        return cls(model, proposer.hidden_layers, state_layers=getattr(proposer, "state_layers", None), **kw)
+
     @property
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]

@@ -146,7 +146,7 @@ def run_calibrate(args: argparse.Namespace) -> Calibration:
     drafter = make_proposer(cfg)
     if not getattr(drafter, "supports_foresight", False):
         raise SystemExit(f"calibrate-foresight: {args.drafter} has no adapter (foresight) to calibrate")
-    runner = TargetRunner(target, drafter.hidden_layers)
+    runner = TargetRunner.for_proposer(target, drafter)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     rounds = collect_rounds(runner, drafter, prompts, args.max_tokens, args.block_size, eos, temperatures)
     source = (f"{args.prompts}[{args.offset}:{args.offset + len(prompts)}], T={args.temperatures}, "

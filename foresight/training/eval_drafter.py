@@ -54,7 +54,8 @@ def speculate(runner: TargetRunner, proposer, prompt: list[int], max_tokens: int
     res = runner.prefill(cache, prompt)
     first = verify(res.logits, [], temperature=temperature, generator=gen).token
     ctx = DraftContext(req_id="eval", tokens=list(prompt), seed=drafter_seed(gen),
-                       hidden=[res.hidden] if res.hidden is not None else [])
+                       hidden=[res.hidden] if res.hidden is not None else [],
+                       linear_states=runner.linear_states(cache, len(prompt)))
     ctx.absorb(0, first, None)
     proposer.add_request(ctx)
     try:
@@ -82,7 +83,8 @@ def _round_loop(runner: TargetRunner, proposer, ctx: DraftContext, cache, gen: t
             on_verified(ctx, block, result, verdict)
         ctx.last_block = block
         hidden = result.hidden[:verdict.accepted + 1] if result.hidden is not None else None
-        ctx.absorb(verdict.accepted, verdict.token, hidden)
+        # Cached now: the committed tokens before the new anchor (a hybrid target's snapshot covers them).
+        ctx.absorb(verdict.accepted, verdict.token, hidden, runner.linear_states(cache, len(ctx.tokens) + verdict.accepted))
         accepted.append(verdict.accepted)
         for tok in draft[:verdict.accepted] + [verdict.token]:
             out.append(tok)
@@ -112,7 +114,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     prompts = [chat_ids(tokenizer, item["messages"], True) if "messages" in item
                else tokenizer.encode(item["prompt"], add_special_tokens=False) for item in load_prompts(args.prompts, args.limit)]
     proposer = load_proposer(args.drafter, target, args.device, dtype)
-    runner = TargetRunner(target, proposer.hidden_layers)
+    runner = TargetRunner.for_proposer(target, proposer)
     eos = eos_ids(target)
     temps, sizes, passes = _floats(args.temperatures), _ints(args.block_sizes), _ints(args.passes)
     if not hasattr(proposer, "passes"):

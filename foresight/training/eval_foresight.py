@@ -87,7 +87,7 @@ def run_eval_foresight(args: argparse.Namespace) -> dict:
         drafter = make_proposer(cfg)
         if not getattr(drafter, "supports_foresight", False):
             raise SystemExit(f"eval-foresight: {args.drafter} has no adapter (foresight) to evaluate")
-        runner = TargetRunner(target, drafter.hidden_layers)
+        runner = TargetRunner.for_proposer(target, drafter)
         runs = [replay(runner, drafter, p, args.max_tokens, args.block_size, eos, sizes, args.temperature, i)
                 for i, p in enumerate(prompts)]
         rounds = sum(r["rounds"] for r in runs)

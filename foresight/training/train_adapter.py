@@ -17,6 +17,13 @@ Also logged: per-index cosine, and the fraction of the "copy" gap recovered,
 1 - MSE(pred) / MSE(copy), where "copy" predicts every block position with the true state of position n-1
 (the last verified state) -- the baseline of the paper's appendix A.
 
+Hybrid targets (Qwen3.5, Qwen3-Next): a stage layer copied from a Gated DeltaNet layer has no mask to hide
+the context after a block's anchor. `Adapter.forward_blocks` runs its mixer over each row's TRUE context in
+segments ending at the row's distinct anchors, carrying the state (gradients flow through the chain), then
+every block of the batch from its own start state at once: one mixer call per distinct anchor, row and
+linear layer, on top of the blocks' pass. It reads the blocks' layout (equal contiguous blocks, each seeing a
+context prefix) from the mask `sample_adapter_blocks` builds and refuses any other.
+
 AdamW, warmup / constant / cosine decay (`lr_at` of the drafter), seeded: the batch of step t depends only
 on (seed, t), so a resumed run sees the same batches as an uninterrupted one. The output folder is the
 checkpoint (config.json + model.safetensors, fp16) plus report.json, loss.png and train_state.pt.

@@ -35,7 +35,7 @@ class InProcessEngine:
         self.drafter = DrafterWorker(self.cfg, self.addrs, proposer, self.ctx)
         if foresight_to_completion:
             self.drafter.message_waiting = lambda: False
-        runner = TargetRunner(model, proposer.hidden_layers, state_layers=getattr(proposer, "state_layers", None))
+        runner = TargetRunner.for_proposer(model, proposer)
         self.target = TargetWorker(self.cfg, self.addrs, runner, self.ctx, eos_ids(model),
                                    max_model_len or model.config.max_position_embeddings,
                                    strategies=tuple(self.drafter.strategies),

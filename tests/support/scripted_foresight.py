@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import torch
+from transformers import DynamicCache
 
 from foresight.drafter_worker.foresight import ForesightDrafter
 from foresight.drafter_worker.proposer import Draft
@@ -45,10 +46,10 @@ class ScriptedForesight(ForesightDrafter):
 
     @torch.inference_mode()
     def scripted(self, tokens: list[int], n: int) -> list[int]:
-        ids = list(tokens)
+        cache, feed, draft = DynamicCache(config=self.target.config), list(tokens), []
         for _ in range(n):
-            ids.append(int(self.target(torch.tensor([ids])).logits[0, -1].argmax()))
-        draft = ids[len(tokens):]
+            draft.append(int(self.target(torch.tensor([feed]), cache=cache).logits[0, -1].argmax()))
+            feed = draft[-1:]
         wrong = random.Random(len(tokens)).randrange(n + 1)  # n: none replaced
         return [(t + 1) % self.vocab if i == wrong else t for i, t in enumerate(draft)]
 

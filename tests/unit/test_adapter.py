@@ -1,6 +1,7 @@
 """The hidden-to-hidden adapter on tiny random targets: shapes, causality inside the block, the context cache
 (read-only in predict, incremental == all at once, rollback), what the initialisation makes exact, save/load,
-and training (the loss goes down; resume == uninterrupted)."""
+and training (the loss goes down; resume == uninterrupted); then the same on hybrid targets (Qwen3.5,
+Qwen3-Next: Gated DeltaNet layers, whose context is a committed recurrent state, and gated attention)."""
 from __future__ import annotations
 
 import json
@@ -10,11 +11,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from foresight.models.adapter import Adapter, default_adapter_indices, is_adapter_checkpoint
+from foresight.models.adapter_layers import LinearAdapterLayer
 from foresight.training.dataset import LabelledData
 from foresight.training.labelling import DataDir, LabelSettings, Labeller, label_stream
 from foresight.training.train_adapter import (AdapterTrainSettings, adapter_loss, columns, estimate_scales,
                                               sample_adapter_blocks, train_adapter)
-from support.tiny_models import VOCAB, tiny_config
+from support.tiny_models import VOCAB, tiny_config, tiny_model
 
 torch.set_num_threads(1)
 
@@ -222,3 +224,200 @@ def test_train_resume_matches_uninterrupted_run(data_dir, target, tmp_path):
     a, b = Adapter.load(tmp_path / "a", target), Adapter.load(tmp_path / "b", target)
     assert (a.config.decoder_layers, b.config.decoder_layers) == (None, 2)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+# ---------------------------------------------------------------------------------------------- hybrid targets
+
+HYBRIDS = ["qwen3_5", "qwen3_next"]
+
+
+def make_hybrid(arch: str, seed: int = 0):
+    """A tiny Qwen3.5 / Qwen3-Next with 6 layers: Gated DeltaNet at 0-2 and 4-5, gated full attention at 3 (so
+    index 4 is an attention layer's output below the final norm). A slow decay, as in support.tiny_models, so
+    the recurrent state carries over and a wrong context state shows."""
+    cfg = tiny_config(arch)
+    cfg.num_hidden_layers = 6
+    cfg.layer_types = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.fill_(-3.0)
+    return model
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request):
+    return make_hybrid(request.param)
+
+
+def test_hybrid_from_target_and_shapes(hybrid, seq):
+    small = tiny_model(hybrid.config.model_type.removesuffix("_text"))  # the 4-layer tiny target, default indices
+    ad = Adapter.from_target(small)
+    assert ad.target_indices == [1, 2] and all(isinstance(layer, LinearAdapterLayer) for s in ad.stages for layer in s)
+    ad = Adapter.from_target(hybrid, INDICES)
+    assert ad.config.stage_layers == [[1], [3]] and ad.has_linear
+    assert isinstance(ad.stages[0][0], LinearAdapterLayer) and ad.stages[1][0].gated
+    actx = ad.extend_context(ad.new_context(), true_states(hybrid, seq[:, :20], INDICES), 0)
+    assert len(actx) == 20 and actx.keys[0][0] is None and actx.states[1][0] is None
+    conv, rec = actx.states[0][0]
+    assert conv.shape == (ad.stages[0][0].mixer.conv_dim, 4) and rec.shape == (2, 8, 8) and rec.dtype == torch.float32
+    out = ad.predict(actx, seq[:, 20:28].expand(3, -1))
+    assert out.shape == (3, 8, 2 * H)
+    torch.testing.assert_close(out[0], out[2], rtol=1e-6, atol=1e-8)  # rows share the context (MoE: not bitwise)
+    assert ad.predict(ad.new_context(), seq[:, :5], 0).shape == (1, 5, 2 * H)  # no context at all
+    with pytest.raises(ValueError):
+        ad.predict(actx, seq[:, 10:18], 10)  # a recurrent state cannot restart before the end
+    with pytest.raises(ValueError):
+        ad.extend_context(actx, torch.zeros(2, 2 * H), 18)  # nor roll back
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_hybrid_initialisation_is_exact_on_true_inputs(arch, seq):
+    """As test_initialisation_is_exact_on_true_inputs, on a hybrid: a stage copied from a Gated DeltaNet layer
+    (its context: the state its mixer reaches over the true index-(l-1) context states) and one copied from
+    the gated full-attention layer reproduce the target's index l; so does the consecutive chain."""
+    model = make_hybrid(arch)
+    T = 28
+    hs = model(seq, output_hidden_states=True).hidden_states
+    ad = Adapter.from_target(model, [2, 4])
+    for stage, ell in enumerate((2, 4)):  # copies of layer 1 (linear attention) and layer 3 (full attention)
+        out = ad.stage_forward(stage, hs[ell - 1][:, T:], hs[ell - 1][0], T)
+        torch.testing.assert_close(out, hs[ell][:, T:], rtol=1e-5, atol=1e-6)
+    chain = [1, 2, 3, 4, 5]
+    ad = Adapter.from_target(model, chain)
+    lower = torch.cat([hs[i - 1][0] for i in chain], dim=-1)
+    exact = ad.predict(ad.extend_context(ad.new_context(), lower[:T], 0), seq[:, T:], T)
+    truth = torch.cat([hs[i][0, T:] for i in chain], dim=-1)
+    torch.testing.assert_close(exact[0], truth, rtol=1e-5, atol=1e-6)
+    served = ad.predict(ad.extend_context(ad.new_context(), true_states(model, seq[:, :T], chain), 0), seq[:, T:])
+    blind = ad.predict(ad.new_context(), seq[:, T:], 0)  # no context: the recurrent state matters
+    assert (served[0] - truth).abs().max() > 1e-4 and (blind[0] - truth).abs().max() > 1e-3
+
+
+def test_hybrid_context_cache(hybrid, seq):
+    """Incremental extend_context == all at once; predict leaves the context unchanged; rows are independent."""
+    ad = Adapter.from_target(hybrid, [1, 2, 4], layers_per_stage=2)  # stages: [0], [0, 1], [2, 3]
+    states = true_states(hybrid, seq[:, :30], [1, 2, 4])
+    once = ad.extend_context(ad.new_context(), states, 0)
+    inc = ad.new_context()
+    for lo, hi in ((0, 7), (7, 8), (8, 30)):
+        prev, before = inc, [[None if st is None else tuple(t.clone() for t in st) for st in s] for s in inc.states]
+        inc = ad.extend_context(inc, states[lo:hi], lo)
+        assert len(prev) == lo and _same_states(prev.states, before)  # a new context; the old one is untouched
+    for a, b in zip(_flat(once.states), _flat(inc.states)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for ks_a, ks_b in zip(once.keys + once.values, inc.keys + inc.values):
+        for a, b in zip(ks_a, ks_b):
+            assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-6, atol=1e-6))
+    block = seq[:, 30:36]
+    first = ad.predict(once, block)
+    torch.testing.assert_close(ad.predict(inc, block), first, rtol=1e-5, atol=1e-7)
+    kept = [[None if st is None else tuple(t.clone() for t in st) for st in s] for s in once.states]
+    rows = torch.stack([seq[0, 30:36], seq[0, 2:8], seq[0, 11:17]])
+    batched = ad.predict(once, rows)  # a batch of different rows, each continuing the same context
+    assert torch.equal(ad.predict(once, block), first) and _same_states(once.states, kept) and len(once) == 30
+    for i in range(3):
+        torch.testing.assert_close(batched[i], ad.predict(once, rows[i:i + 1])[0], rtol=1e-5, atol=1e-7)
+
+
+def _flat(states):
+    return [t for stage in states for st in stage if st is not None for t in st]
+
+
+def _same_states(a, b) -> bool:
+    return all((x is None) == (y is None) and (x is None or all(torch.equal(s, t) for s, t in zip(x, y)))
+               for sa, sb in zip(a, b) for x, y in zip(sa, sb))
+
+
+def test_hybrid_save_load_round_trip(hybrid, seq, tmp_path):
+    ad = Adapter.from_target(hybrid, INDICES, layers_per_stage=2)
+    with torch.no_grad():
+        for p in ad.parameters():
+            p.add_(0.01 * torch.randn_like(p)).copy_(p.half().float())  # "trained", and fp16-representable
+    ad.save(tmp_path / "ad")
+    back = Adapter.load(tmp_path / "ad", hybrid)
+    assert isinstance(back.stages[0][1], LinearAdapterLayer) and back.config.stage_layers == [[0, 1], [2, 3]]
+    states = true_states(hybrid, seq[:, :20], INDICES)
+    a = ad.predict(ad.extend_context(ad.new_context(), states, 0), seq[:, 20:30])
+    b = back.predict(back.extend_context(back.new_context(), states, 0), seq[:, 20:30])
+    assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def hybrid_data(tmp_path_factory, hybrid):
+    """Labelled data of the hybrid target (as data_dir): indices 2 (after a linear layer), 4 (after attention)."""
+    path = tmp_path_factory.mktemp("adapter-hybrid-data")
+    layers = INDICES + [6]
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(40, 70, (10,), generator=gen).tolist()
+    items = [torch.randint(3, 40, (12,), generator=gen).repeat(6)[:n].tolist() for n in lengths]  # repetitive
+    settings = LabelSettings(layers=layers, topk=4, max_len=80, min_len=20, shard_tokens=300, batch_size=1)
+    label_stream(Labeller(hybrid, settings), DataDir(path, {"target_name": "tiny", "layers": layers, "topk": 4}),
+                 "text", items, lambda b, _: b, max_tokens=None)
+    return path
+
+
+def test_hybrid_forward_blocks_equals_predict(hybrid_data, hybrid):
+    """Training's many blocks per row (linear layers: the context run in segments up to each anchor) predict
+    what inference predicts for each block alone; gradients reach every weight; other masks are refused."""
+    data = LabelledData(hybrid_data)
+    batch = sample_adapter_blocks(data, torch.Generator().manual_seed(3), columns(data, INDICES, H), 2, 4, 6)
+    ad = Adapter.from_target(hybrid, INDICES, layers_per_stage=2)
+    pred = ad.forward_blocks(batch.ctx_states, batch.tokens, batch.positions, batch.mask)  # [2, 24, 2H]
+    for row in range(2):
+        for a in range(4):
+            sl = slice(a * 6, (a + 1) * 6)
+            n = int(batch.positions[row, a * 6])
+            actx = ad.extend_context(ad.new_context(), batch.ctx_states[row, :n], 0)
+            torch.testing.assert_close(pred[row, sl], ad.predict(actx, batch.tokens[row:row + 1, sl])[0],
+                                       rtol=1e-5, atol=1e-6)
+    pred.pow(2).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for name, p in ad.named_parameters()
+               if "experts" not in name)  # an unrouted expert gets no gradient
+    # a linear-only adapter sees the context through the start states alone: the gradient flows through them
+    ctx = batch.ctx_states[..., :H].float().requires_grad_()
+    Adapter.from_target(hybrid, [2]).forward_blocks(ctx, batch.tokens, batch.positions, batch.mask).sum().backward()
+    n = int(batch.positions[0, ::6].max())
+    assert ctx.grad[0, :n].abs().sum(-1).min() > 0 and not ctx.grad[0, n:].any()
+    bad = batch.mask.clone()
+    bad[0, 0, batch.ctx_states.shape[1] + 1] = True  # not causal: attention would follow it, a recurrence cannot
+    with pytest.raises(ValueError):
+        ad.forward_blocks(batch.ctx_states, batch.tokens, batch.positions, bad)
+
+
+def test_hybrid_training(hybrid_data, hybrid, tmp_path):
+    """On a hybrid target: steps on one batch lower its loss; a run lowers the loss of unseen blocks, its
+    checkpoint loads, and resume == uninterrupted."""
+    data = LabelledData(hybrid_data)
+    cols = columns(data, INDICES, H)
+    scales = torch.tensor(estimate_scales(data, cols, 2, seed=0))
+    torch.manual_seed(0)
+    ad = Adapter.from_target(hybrid, INDICES).train()
+    batch = sample_adapter_blocks(data, torch.Generator().manual_seed(0), cols, 2, 4, 6)
+    opt = torch.optim.AdamW(ad.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        loss, _ = adapter_loss(ad, batch, scales)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    s = dict(batch_seqs=2, anchors=3, block_size=6, ckpt_every=16, lr=1e-3, warmup=1, decay_frac=0.0)
+    quiet = dict(log=lambda *_: None)
+    full = train_adapter(hybrid, data, tmp_path / "a", AdapterTrainSettings(steps=32, **s), **quiet)
+    train_adapter(hybrid, data, tmp_path / "b", AdapterTrainSettings(steps=16, **s), **quiet)
+    resumed = train_adapter(hybrid, data, tmp_path / "b", AdapterTrainSettings(steps=32, **s), resume=True, **quiet)
+    run = [h["loss"] for h in full["history"]]
+    assert run == pytest.approx([h["loss"] for h in resumed["history"]], rel=1e-5)
+    assert sum(run[-8:]) < 0.8 * sum(run[:8]), run
+    a, b = Adapter.load(tmp_path / "a", hybrid), Adapter.load(tmp_path / "b", hybrid)
+    assert isinstance(a.stages[0][0], LinearAdapterLayer) and a.stages[1][0].gated
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    unseen = sample_adapter_blocks(data, torch.Generator().manual_seed(99), cols, 8, 4, 6)
+    with torch.no_grad():
+        before = adapter_loss(Adapter.from_target(hybrid, INDICES), unseen, scales)[0]
+        after = adapter_loss(a, unseen, scales)[0]
+    assert after < 0.8 * before, (before, after)

@@ -64,3 +64,31 @@ def test_pipelined_greedy_equals_plain_greedy_and_foresight_hits(target):
     assert max(drafter.decoder_errors) < 1e-4  # with the oracle adapter the decoder is the target's own top
     (adopted, stale), = drafter.decoder_stats
     assert adopted >= drafter.foresee_calls and stale == 0  # each call took the snapshot of its context
+
+
+@pytest.mark.parametrize("mode", ["sync", "pipelined"])
+def test_the_real_adapter_and_draft_model_are_lossless(target, mode):
+    """Nothing scripted: the adapter (initialised from the target's layers, Gated DeltaNet ones included),
+    a random draft model and the decoder over the target's snapshots, through the round protocol."""
+    from foresight.drafter_worker.foresight import ForesightDrafter
+    from foresight.models.adapter import Adapter
+
+    own = tiny_model(target.config.model_type.removesuffix("_text"))  # the drafter's copy (see scripted_drafter)
+    n = own.config.num_hidden_layers
+    torch.manual_seed(0)
+    draft = DraftModel(DraftConfig.for_target(own.config, target_layers=[1, 2, n], num_layers=1),
+                       SharedWeights.from_target(own)).eval()
+    drafter = ForesightDrafter(draft, Adapter.from_target(own, [1, 2]).eval(), ForesightDecoder(own, 2),
+                               passes=1, cache_size=4, use_budget=False)
+    engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter,
+                             foresight_to_completion=True)
+    try:
+        got = engine.generate(PROMPT, NEW, mode=mode, temperature=0.0)
+    finally:
+        engine.close()
+    assert got["error"] is None
+    assert got["tokens"] == plain_greedy(target, PROMPT, NEW, eos=target.config.eos_token_id)
+    assert sum(r.drafted for r in got["rounds"]) > 0
+    if mode == "pipelined":  # foresight ran through (a failing job would only log and miss) and hit
+        assert all(r.cache_hit is not None for r in got["rounds"])
+        assert drafter.stats.outcomes > 0 and sum(bool(r.cache_hit) for r in got["rounds"]) > 0
