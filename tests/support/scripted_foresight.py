@@ -20,11 +20,15 @@ from foresight.drafter_worker.proposer import Draft
 from foresight.drafter_worker.refinement import Refiner
 
 
+WIDEST = 8  # corrupted positions are drawn from 0..WIDEST-1 (beyond the draft: none)
+
+
 class ScriptedForesight(ForesightDrafter):
-    def __init__(self, target, draft_model, adapter, decoder, **kw):
+    def __init__(self, target, draft_model, adapter, decoder, check_decoder: bool = True, **kw):
+        """`check_decoder`: compare the decoder's logits of every block with the target's (`decoder_errors`)."""
         super().__init__(draft_model, adapter, decoder, passes=0, refinement="none", refreshes=0,
                          use_budget=False, **kw)
-        self.target = target
+        self.target, self.check_decoder = target, check_decoder
         self.vocab = target.config.vocab_size
         self.decoder_stats: list[tuple[int, int]] = []  # (adopted, stale) of each released request's decoder
         self.foresee_calls = 0
@@ -39,6 +43,8 @@ class ScriptedForesight(ForesightDrafter):
     def _predict_block(self, state, ctx, block):
         """The real prediction, checked against the target's own logits of the block after the context."""
         pred, logits, dec_states = super()._predict_block(state, ctx, block)
+        if not self.check_decoder:
+            return pred, logits, dec_states
         n = len(ctx.tokens) - 1
         truth = self.target(torch.tensor([ctx.tokens + block])).logits[0, n:].float()  # [gamma+1, vocab]
         self.decoder_errors.append(float((logits - truth).abs().max()))
@@ -50,7 +56,12 @@ class ScriptedForesight(ForesightDrafter):
         for _ in range(n):
             draft.append(int(self.target(torch.tensor([feed]), cache=cache).logits[0, -1].argmax()))
             feed = draft[-1:]
-        wrong = random.Random(len(tokens)).randrange(n + 1)  # n: none replaced
+        return self.corrupt(tokens, draft)
+
+    def corrupt(self, tokens: list[int], draft: list[int]) -> list[int]:
+        """The greedy draft after `tokens` with the token at one position (from len(tokens)) replaced, or
+        none; the position does not depend on the draft's length, so a shorter draft is a prefix."""
+        wrong = random.Random(len(tokens)).randrange(WIDEST)
         return [(t + 1) % self.vocab if i == wrong else t for i, t in enumerate(draft)]
 
     def propose_batch(self, ctxs, max_drafts):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from foresight.config import EngineConfig
+from foresight.models.adapter import Adapter
 from foresight.models.decoder import ForesightDecoder
 from foresight.models.draft_model import DraftConfig, DraftModel, SharedWeights
 from support.inprocess import InProcessEngine
@@ -29,17 +30,19 @@ def target(request):
     return tiny_model(request.param)
 
 
-def scripted_drafter(target, sequences) -> ScriptedForesight:
+def scripted_drafter(target, sequences: list[list[int]] | None) -> ScriptedForesight:
     """On its own copy of the target, as the drafter process loads one: the target worker hooks the
     Gated DeltaNet mixers of its model during a verify (linear_rollback.py), which a second thread running
-    the same modules would disturb."""
+    the same modules would disturb. With the oracle adapter for `sequences`, else the real adapter
+    initialised from the target's layers."""
     target = tiny_model(target.config.model_type.removesuffix("_text"))
     decoder = ForesightDecoder(target, 2)  # layer 2 (Gated DeltaNet) + layer 3 (full attention): input index 2
     n = target.config.num_hidden_layers
     draft = DraftModel(DraftConfig.for_target(target.config, target_layers=[1, 2, n], num_layers=1),
                        SharedWeights.from_target(target)).eval()
-    return ScriptedForesight(target, draft, OracleAdapter(target, [1, 2], sequences), decoder, cache_size=4,
-                             temperature=0.0)
+    adapter = Adapter.from_target(target, [1, 2]).eval() if sequences is None else OracleAdapter(target, [1, 2],
+                                                                                                   sequences)
+    return ScriptedForesight(target, draft, adapter, decoder, cache_size=4, temperature=0.0)
 
 
 def test_pipelined_greedy_equals_plain_greedy_and_foresight_hits(target):
@@ -71,7 +74,6 @@ def test_the_real_adapter_and_draft_model_are_lossless(target, mode):
     """Nothing scripted: the adapter (initialised from the target's layers, Gated DeltaNet ones included),
     a random draft model and the decoder over the target's snapshots, through the round protocol."""
     from foresight.drafter_worker.foresight import ForesightDrafter
-    from foresight.models.adapter import Adapter
 
     own = tiny_model(target.config.model_type.removesuffix("_text"))  # the drafter's copy (see scripted_drafter)
     n = own.config.num_hidden_layers
@@ -92,3 +94,56 @@ def test_the_real_adapter_and_draft_model_are_lossless(target, mode):
     if mode == "pipelined":  # foresight ran through (a failing job would only log and miss) and hit
         assert all(r.cache_hit is not None for r in got["rounds"])
         assert drafter.stats.outcomes > 0 and sum(bool(r.cache_hit) for r in got["rounds"]) > 0
+
+
+@torch.inference_mode()
+def draft_tests(drafter: ScriptedForesight, target, prompt: list[int], got: dict) -> tuple[list[float], list[int]]:
+    """Every draft token verification tested in `got`'s rounds: the target's probability of the draft token
+    given the committed prefix, and whether the committed token is that draft. The scripted drafts are a
+    function of the committed tokens, so each round's block is drafted again here."""
+    out, probs_at, hit_at = got["tokens"], [], []
+    logits = target(torch.tensor([prompt + out])).logits[0].float()  # [T, vocab]
+    c = 1  # output tokens committed before the round (the first came from the prefill)
+    for r in got["rounds"]:
+        block = drafter.scripted(prompt + out[:c], r.drafted) if r.drafted else []
+        for j, d in enumerate(block[:r.accepted + 1]):
+            if c + j >= len(out):
+                break  # cut by max_tokens
+            probs_at.append(float(torch.softmax(logits[len(prompt) + c + j - 1], -1)[d]))
+            hit_at.append(int(out[c + j] == d))
+        c += r.accepted + 1
+    return probs_at, hit_at
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5"])  # Qwen3-Next takes the same path, at twice the time
+def test_sampled_pipelined_output_follows_the_target_distribution(arch):
+    """T=1, pipelined, foresight ranking outcomes at the request's temperature. Lossless verification
+    commits a draft token d with exactly the target's probability p(d | prefix), whatever proposed it:
+    over many seeds, the number of draft tokens committed must match the sum of those probabilities
+    within 5 standard errors (the draws are martingale differences). Its power is for gross errors: a
+    verifier that also accepted 10 % of the drafts it should reject moved the count by 1.9 standard errors
+    and passed; the exactness of the hybrid state is tested by the logits above and in test_training.py."""
+    prompt, new, requests = PROMPT[:6], 16, 32
+    target = tiny_model(arch)
+    drafter = scripted_drafter(target, None)  # sampled sequences: the real adapter (the oracle knows greedy ones)
+    drafter.temperature, drafter.check_decoder = None, False  # rank outcomes at the request's temperature
+    drafter.cache_size = 2  # two outcomes pre-drafted per round: scripted drafts cost target forwards
+    engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter,
+                             foresight_to_completion=True)
+    try:  # one at a time: with many in flight most foresight jobs find their outcome already in (stale)
+        results = [engine.generate(prompt, new, mode="pipelined", temperature=1.0, seed=s) for s in range(requests)]
+    finally:
+        engine.close()
+    probs, hits, cache_hits = [], [], 0
+    for got in results:
+        assert got["error"] is None
+        p, h = draft_tests(drafter, target, prompt, got)
+        probs += p
+        hits += h
+        cache_hits += sum(bool(r.cache_hit) for r in got["rounds"])
+    p = torch.tensor(probs, dtype=torch.float64)
+    expected, sd = p.sum().item(), (p * (1 - p)).sum().sqrt().item()
+    print(f"\n{len(hits)} draft tests: {sum(hits)} committed, expected {expected:.1f} (sd {sd:.1f}); "
+          f"{cache_hits} cache hits")
+    assert cache_hits > 0 and len(hits) > 200
+    assert abs(sum(hits) - expected) <= 5 * sd
