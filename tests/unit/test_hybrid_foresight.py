@@ -147,3 +147,40 @@ def test_sampled_pipelined_output_follows_the_target_distribution(arch):
           f"{cache_hits} cache hits")
     assert cache_hits > 0 and len(hits) > 200
     assert abs(sum(hits) - expected) <= 5 * sd
+
+
+def test_worker_processes_serve_a_hybrid_target_in_every_mode(tmp_path):
+    """Through spawned target and drafter processes, as `foresight serve` runs them: the drafter asks for
+    the decoder's linear layers, the target is started with them, and greedy output in ar, sync and
+    pipelined equals plain greedy decoding."""
+    import asyncio
+
+    from foresight.protocol.messages import GenerateRequest, SamplingParams
+    from foresight.server.engine_client import EngineClient
+    from support.tiny_models import save_tiny_model
+
+    target = tiny_model("qwen3_5")
+    n = target.config.num_hidden_layers
+    DraftModel(DraftConfig.for_target(target.config, target_layers=[1, 2, n], num_layers=1),
+               SharedWeights.from_target(target)).save(tmp_path / "drafter")
+    Adapter.from_target(target, [1, 2]).save(tmp_path / "drafter" / "adapter")
+    cfg = EngineConfig(target=str(save_tiny_model("qwen3_5", tmp_path)), drafter=str(tmp_path / "drafter"),
+                       dtype="float32", mode="pipelined", decoder_layers=2)
+    want = plain_greedy(target, PROMPT, NEW, eos=target.config.eos_token_id)
+
+    async def serve() -> tuple[dict, dict]:
+        engine = EngineClient(cfg)
+        await engine.start()
+        try:
+            got = {}
+            for mode in ("ar", "sync", "pipelined"):
+                req = GenerateRequest(req_id=mode, prompt_ids=PROMPT, max_tokens=NEW, mode=mode,
+                                      sampling=SamplingParams(temperature=0.0))
+                got[mode] = [t async for out in engine.generate(req) for t in out.token_ids]
+            return got, engine.supervisor._pair_drafter
+        finally:
+            await engine.stop()
+
+    got, drafter_info = asyncio.run(serve())
+    assert drafter_info["state_layers"] == [2] and drafter_info["supports_foresight"]
+    assert got == {"ar": want, "sync": want, "pipelined": want}
