@@ -190,8 +190,8 @@ def test_block_sampling(data_dir):
     assert torch.equal(batch.tokens[0, 6:12], data.seq_tokens(i0)[n:n + 6])
 
 
-def test_training_steps_lower_the_loss(data_dir, target):
-    data = LabelledData(data_dir)
+def fit_one_batch(target, data: LabelledData, steps: int = 15) -> tuple[list[float], dict]:
+    """AdamW steps of a fresh adapter on one sampled batch -> the losses and the last step's stats."""
     cols = columns(data, INDICES, H)
     scales = torch.tensor(estimate_scales(data, cols, 2, seed=0))
     torch.manual_seed(0)
@@ -199,12 +199,17 @@ def test_training_steps_lower_the_loss(data_dir, target):
     batch = sample_adapter_blocks(data, torch.Generator().manual_seed(0), cols, 2, 4, 6)
     opt = torch.optim.AdamW(ad.parameters(), lr=3e-3)
     losses = []
-    for _ in range(15):
+    for _ in range(steps):
         loss, stats = adapter_loss(ad, batch, scales)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    return losses, stats
+
+
+def test_training_steps_lower_the_loss(data_dir, target):
+    losses, stats = fit_one_batch(target, LabelledData(data_dir))
     assert losses[-1] < 0.7 * losses[0], losses
     assert len(stats["cos"]) == len(stats["gap_recovered"]) == 2
 
@@ -391,19 +396,7 @@ def test_hybrid_training(hybrid_data, hybrid, tmp_path):
     """On a hybrid target: steps on one batch lower its loss; a run lowers the loss of unseen blocks, its
     checkpoint loads, and resume == uninterrupted."""
     data = LabelledData(hybrid_data)
-    cols = columns(data, INDICES, H)
-    scales = torch.tensor(estimate_scales(data, cols, 2, seed=0))
-    torch.manual_seed(0)
-    ad = Adapter.from_target(hybrid, INDICES).train()
-    batch = sample_adapter_blocks(data, torch.Generator().manual_seed(0), cols, 2, 4, 6)
-    opt = torch.optim.AdamW(ad.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(15):
-        loss, _ = adapter_loss(ad, batch, scales)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses, _ = fit_one_batch(hybrid, data)
     assert losses[-1] < 0.7 * losses[0], losses
     s = dict(batch_seqs=2, anchors=3, block_size=6, ckpt_every=16, lr=1e-3, warmup=1, decay_frac=0.0)
     quiet = dict(log=lambda *_: None)
@@ -416,6 +409,8 @@ def test_hybrid_training(hybrid_data, hybrid, tmp_path):
     a, b = Adapter.load(tmp_path / "a", hybrid), Adapter.load(tmp_path / "b", hybrid)
     assert isinstance(a.stages[0][0], LinearAdapterLayer) and a.stages[1][0].gated
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    cols = columns(data, INDICES, H)
+    scales = torch.tensor(estimate_scales(data, cols, 2, seed=0))
     unseen = sample_adapter_blocks(data, torch.Generator().manual_seed(99), cols, 8, 4, 6)
     with torch.no_grad():
         before = adapter_loss(Adapter.from_target(hybrid, INDICES), unseen, scales)[0]
