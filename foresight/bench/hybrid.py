@@ -32,7 +32,7 @@ import zmq
 
 from ..models.decoder import ForesightDecoder
 from ..protocol.addresses import WorkerAddresses
-from ..protocol.messages import LinearStates, Outcome
+from ..protocol.messages import Outcome
 from ..protocol.sockets import MessageSocket
 from ..protocol.transport import TensorTransport
 from ..target_worker.runner import TargetRunner

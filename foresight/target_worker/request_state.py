@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..protocol.messages import GenerateRequest
+from .sampling import PositionDraws
 from .strategy_choice import LOCAL_STRATEGIES, RequestChoice
 
 
@@ -14,7 +15,7 @@ from .strategy_choice import LOCAL_STRATEGIES, RequestChoice
 class RequestState:
     request: GenerateRequest
     mode: str  # config.MODES
-    generator: torch.Generator
+    draws: PositionDraws  # the request's random draws, keyed by the position of the token they decide
     cache: object = None  # DynamicCache once the prefill started
     prefill_pos: int = 0  # prompt tokens in the cache: a long prompt is prefilled in chunks, one per step
     prefill_hidden: list[torch.Tensor] = field(default_factory=list)  # the chunks' target states, for StartDraft

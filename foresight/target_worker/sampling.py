@@ -12,13 +12,45 @@ vLLM and HF transformers use:
 
 Everything is computed in float32 whatever the logits' dtype. All functions work on any leading
 shape `[..., vocab]`; the verification passes `[positions, vocab]` (or `[batch, positions, vocab]`).
+
+A request's draws are keyed by the position of the token they decide (`PositionDraws`), not taken one
+after another from a stream: how the positions were grouped into blocks (which depends on draft lengths,
+and those on timings) then changes nothing. With point-mass drafts and exact verification the token
+committed at a position is the draw there whether its draft was accepted or not, so a seeded request
+samples the same text in every mode, `ar` included.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["is_greedy", "process_logits", "target_probs", "sample", "check_sampling"]
+__all__ = ["is_greedy", "process_logits", "target_probs", "sample", "check_sampling", "PositionDraws"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """A 64-bit mixing function (SplitMix64's finaliser): consecutive inputs give unrelated outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class PositionDraws:
+    """One request's uniform draws in [0, 1), a function of (seed, position, stream) alone."""
+
+    STREAMS = 2  # 0: the token drawn at a position (target, residual or bonus); 1: the acceptance test
+
+    def __init__(self, seed: int):
+        self.seed = int(seed)
+        self._key = _splitmix64(self.seed & _MASK64)
+
+    def uniforms(self, first: int, n: int, device="cpu") -> torch.Tensor:
+        """Draws for the tokens at positions first..first+n-1: float64 [n, STREAMS]."""
+        values = [(_splitmix64(self._key ^ _splitmix64(pos * self.STREAMS + s)) >> 11) * 2.0 ** -53
+                  for pos in range(first, first + n) for s in range(self.STREAMS)]
+        return torch.tensor(values, dtype=torch.float64, device=device).view(n, self.STREAMS)
 
 
 def is_greedy(params) -> bool:
@@ -112,11 +144,13 @@ def target_probs(
     return torch.softmax(process_logits(logits, temperature, top_k, top_p), dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """One draw per row: `probs [..., vocab]` (need not be normalised) -> tokens `[...]` (int64).
 
-    Inverse-CDF sampling with the request's own generator (one uniform per row), so a fixed seed
-    reproduces the draws:  x = min{ j : F(j) > u * F(V) },  F = cumsum(p) in float64.
+    Inverse-CDF sampling with one uniform per row: `u [...]` (float64) when given (the request's
+    position-keyed draws), else from `generator`, so a fixed seed reproduces the draws:
+    x = min{ j : F(j) > u * F(V) },  F = cumsum(p) in float64.
     Same law as torch.multinomial(probs, 1), which on CPU costs ~1 ms per 50k-vocab row (~20 ms
     for a 16-position block) against ~2 ms for the whole block here. Zero-probability tokens are
     never drawn: F only increases at tokens with p > 0, and u < 1 gives u * F(V) < F(V) in float64
@@ -124,6 +158,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """
     cdf = torch.cumsum(probs.double(), dim=-1)  # [..., vocab]
     total = cdf[..., -1:]  # [..., 1]
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    if u is None:
+        u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    else:
+        u = u.to(device=probs.device, dtype=torch.float64).reshape(total.shape)
     tokens = torch.searchsorted(cdf, u * total, right=True)  # [..., 1]
     return tokens.squeeze(-1)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .request_state import RequestState
+from .sampling import PositionDraws
 from .verification import Verdict, verify
 
 
@@ -36,15 +37,17 @@ class RoundDrafts:
     exposed: float | None  # seconds the target waited for that block
 
 
-def verify_block(logits: torch.Tensor, draft: list[int], sampling, generator: torch.Generator) -> Verdict:
-    """Apply the request's verification rule to one block (logits [len(draft) + 1, vocab])."""
+def verify_block(logits: torch.Tensor, draft: list[int], sampling, draws: PositionDraws, position: int) -> Verdict:
+    """Apply the request's verification rule to one block (logits [len(draft) + 1, vocab]) whose rows decide
+    the tokens at positions position.. (the draws are the request's for those positions)."""
+    uniforms = None if sampling.temperature == 0 else draws.uniforms(position, len(draft) + 1, logits.device)
     return verify(logits, draft, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                  rule=sampling.verification, theta=sampling.nucleus_threshold, generator=generator)
+                  rule=sampling.verification, theta=sampling.nucleus_threshold, uniforms=uniforms)
 
 
-def drafter_seed(gen: torch.Generator) -> int:
-    """A seed for the drafter's noise that differs from the target's stream (drafts must not correlate with draws)."""
-    return (gen.initial_seed() * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**63
+def drafter_seed(seed: int) -> int:
+    """A seed for the drafter's noise that differs from the target's draws (drafts must not correlate with them)."""
+    return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**63
 
 
 def eos_ids(model) -> list[int]:

@@ -47,6 +47,7 @@ from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifet
 from ..protocol.sockets import MessageSocket
 from ..protocol.transport import default_transport
 from .loading import load_target, resolve_dtype, resolve_target
+from .sampling import PositionDraws
 from .load_policy import LoadPolicy
 from .local_lookup import LocalLookup
 from .request_state import RequestState
@@ -232,8 +233,7 @@ class TargetWorker:
         seed = req.sampling.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_rng))
-        gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-        self.requests[req.req_id] = RequestState(request=req, mode=mode, generator=gen,
+        self.requests[req.req_id] = RequestState(request=req, mode=mode, draws=PositionDraws(seed),
                                                  strategy=mode if mode in LOCAL_STRATEGIES else "ar")
 
     def on_abort(self, msg: AbortRequest) -> None:
@@ -295,10 +295,10 @@ class TargetWorker:
             return
         hidden = torch.cat(state.prefill_hidden) if state.prefill_hidden else None  # [prompt, n_layers * hidden]
         state.prefill_hidden = []
-        verdict = verify_block(result.logits, [], req.sampling, state.generator)
+        verdict = verify_block(result.logits, [], req.sampling, state.draws, len(req.prompt_ids))
         if state.mode not in LOCAL_STRATEGIES:
             state.drafting = self.to_drafter(StartDraft(
-                req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.generator),
+                req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.draws.seed),
                 temperature=req.sampling.temperature, refinement=req.refinement, hidden=hidden,
                 sampling=req.sampling, linear_states=self.runner.linear_states(state.cache, state.prefill_pos)))
         if state.mode == "auto" and state.drafting:
@@ -353,7 +353,7 @@ class TargetWorker:
         """Apply the request's verification rule to its block's logits, crop what was rejected, commit.
         `verify_s`: the forward's time; `share_s`: this request's part of it when batched (StepCost)."""
         state, draft, req = r.state, r.draft, r.state.request
-        verdict = verify_block(result.logits, draft, req.sampling, state.generator)
+        verdict = verify_block(result.logits, draft, req.sampling, state.draws, state.cached_positions + 1)
         self.runner.rollback(state.cache, len(draft) - verdict.accepted, result)
         state.last_verify_s = verify_s
         state.verify_share_s = share_s

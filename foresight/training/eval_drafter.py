@@ -53,7 +53,7 @@ def speculate(runner: TargetRunner, proposer, prompt: list[int], max_tokens: int
     cache = runner.new_cache()
     res = runner.prefill(cache, prompt)
     first = verify(res.logits, [], temperature=temperature, generator=gen).token
-    ctx = DraftContext(req_id="eval", tokens=list(prompt), seed=drafter_seed(gen),
+    ctx = DraftContext(req_id="eval", tokens=list(prompt), seed=drafter_seed(seed),
                        hidden=[res.hidden] if res.hidden is not None else [],
                        linear_states=runner.linear_states(cache, len(prompt)))
     ctx.absorb(0, first, None)

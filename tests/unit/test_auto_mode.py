@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from foresight.target_worker.sampling import PositionDraws
 from foresight.config import EngineConfig
 from foresight.drafter_worker.proposer import Draft, StatelessProposer
 from foresight.target_worker import strategy_choice
@@ -185,7 +186,6 @@ def test_a_switch_waits_a_moment_for_drafter_idle_before_borrowing():
     """After a switch to a round the target runs alone, the next step waits (briefly) for the drafter's
     DrafterIdle: it arrives within a millisecond after a hybrid round, and the step then runs on the
     drafter's threads too. Without an answer the wait is bounded and the step keeps its own threads."""
-    import torch
     import zmq
 
     from foresight.protocol.addresses import WorkerAddresses
@@ -202,7 +202,7 @@ def test_a_switch_waits_a_moment_for_drafter_idle_before_borrowing():
     try:
         to_target = MessageSocket(zctx, zmq.PUSH, addrs.drafter_to_target, bind=False)
         request = GenerateRequest(req_id="r", prompt_ids=[1, 2], max_tokens=8, sampling=SamplingParams())
-        state = RequestState(request=request, mode="auto", generator=torch.Generator(), drafting=True,
+        state = RequestState(request=request, mode="auto", draws=PositionDraws(0), drafting=True,
                              strategy="ngram")
         state.cache, state.round, state.drafter_winding_down = object(), 4, 4
         worker.requests["r"] = state

@@ -6,6 +6,7 @@ import pytest
 import torch
 import zmq
 
+from foresight.target_worker.sampling import PositionDraws
 from foresight.config import EngineConfig
 from foresight.protocol.addresses import WorkerAddresses
 from foresight.protocol.messages import (
@@ -100,7 +101,7 @@ def test_a_request_waiting_for_a_dead_drafter_goes_on_when_told(model):
                           eos_token_ids=[], max_model_len=256)
     try:
         request = GenerateRequest(req_id="r", prompt_ids=PROMPT, max_tokens=6, sampling=SamplingParams(temperature=0))
-        worker.requests["r"] = state = RequestState(request=request, mode="sync", generator=torch.Generator())
+        worker.requests["r"] = state = RequestState(request=request, mode="sync", draws=PositionDraws(0))
         worker.step(state)  # prefill: StartDraft and the first Outcome are queued for the drafter
         assert state.drafting and not state.ready()
         worker.on_drafter_status(DrafterStatus(up=False, reason="test"))

@@ -86,11 +86,15 @@ def test_the_real_adapter_and_draft_model_are_lossless(target, mode):
                              foresight_to_completion=True)
     try:
         got = engine.generate(PROMPT, NEW, mode=mode, temperature=0.0)
+        # Sampled: draws keyed by position make a seeded request's text the same in every mode
+        sampled = engine.generate(PROMPT, 60, mode=mode, temperature=0.8, seed=7)
+        plain = engine.generate(PROMPT, 60, mode="ar", temperature=0.8, seed=7)
     finally:
         engine.close()
     assert got["error"] is None
     assert got["tokens"] == plain_greedy(target, PROMPT, NEW, eos=target.config.eos_token_id)
     assert sum(r.drafted for r in got["rounds"]) > 0
+    assert sampled["tokens"] == plain["tokens"] and sum(r.accepted for r in sampled["rounds"]) > 0
     if mode == "pipelined":  # foresight ran through (a failing job would only log and miss) and hit
         assert all(r.cache_hit is not None for r in got["rounds"])
         assert drafter.stats.outcomes > 0 and sum(bool(r.cache_hit) for r in got["rounds"]) > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from foresight.target_worker.sampling import PositionDraws
 from foresight.config import EngineConfig
 from foresight.protocol.messages import DraftBlock
 from support.inprocess import InProcessEngine
@@ -56,6 +57,18 @@ def test_interleaved_requests_match_one_at_a_time(model, engine):
         assert results[rid]["tokens"] == plain_greedy(model, prompt, 30, eos=model.config.eos_token_id)
 
 
+def test_seeded_sampling_is_the_same_in_every_mode(engine):
+    """Draws are keyed by position (sampling.PositionDraws) and drafts are point masses verified exactly:
+    the token at each position is the target's draw there whether a draft was accepted or not, so a seeded
+    request samples the same text however it was drafted, and whatever the draft lengths were."""
+    runs = {mode: engine.generate(PROMPTS[0], 40, mode=mode, temperature=0.5, top_p=0.95, seed=1234)
+            for mode in ("ar", "ngram", "sync", "auto")}
+    assert all(run["error"] is None for run in runs.values())
+    assert all(run["tokens"] == runs["ar"]["tokens"] for run in runs.values()), runs
+    assert sum(r.accepted for mode in ("ngram", "sync", "auto") for r in runs[mode]["rounds"]) > 0  # drafts were
+    # accepted on the way
+
+
 def test_seeded_sampling_is_reproducible(engine):
     a = engine.generate(PROMPTS[1], 30, mode="sync", temperature=1.0, top_p=0.9, seed=1234)
     b = engine.generate(PROMPTS[1], 30, mode="sync", temperature=1.0, top_p=0.9, seed=1234)
@@ -98,7 +111,7 @@ def test_stale_block_is_dropped(model):
                           eos_token_ids=[], max_model_len=256)  # not running: we call its handler directly
     try:
         request = GenerateRequest(req_id="s", prompt_ids=[1], max_tokens=10, sampling=SamplingParams())
-        state = RequestState(request=request, mode="sync", generator=torch.Generator(), drafting=True,
+        state = RequestState(request=request, mode="sync", draws=PositionDraws(0), drafting=True,
                              strategy="sync")
         state.round = 3
         worker.requests["s"] = state

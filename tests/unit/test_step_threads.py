@@ -6,13 +6,14 @@ import torch
 from foresight.config import EngineConfig
 from foresight.protocol.messages import GenerateRequest, SamplingParams
 from foresight.target_worker.request_state import RequestState
+from foresight.target_worker.sampling import PositionDraws
 from foresight.target_worker.step_threads import StepThreads, drafter_busy, winding_down_only
 
 
 def state(strategy: str, block: list[int] | None, prefilled: bool = True, drafting: bool = True) -> RequestState:
     s = RequestState(request=GenerateRequest(req_id="r", prompt_ids=[1, 2], max_tokens=4,
                                                    sampling=SamplingParams()), mode="auto",
-                     generator=torch.Generator(), drafting=drafting, strategy=strategy, block=block)
+                     draws=PositionDraws(0), drafting=drafting, strategy=strategy, block=block)
     s.prefill_pos = 2 if prefilled else 0
     return s
 
