@@ -8,7 +8,9 @@ anyway is logged, counted as unhealthy, and started again (never a silent stall 
 Admission (as vLLM's scheduler, first come first served): a request runs once a sequence slot
 (`max_num_seqs`) is free and its KV reservation fits the token budget (`max_kv_tokens`, None = none).
 The reservation is the request's worst-case footprint, len(prompt_ids) + max_tokens (at most the target's
-max_model_len), held until the request finishes, fails or is aborted. Requests wait in one FIFO: a
+max_model_len), held until the request finishes, fails or is aborted. Verify blocks fit in it: the target
+never drafts past max_tokens (`TargetWorker.max_drafts`), so a block's drafts occupy positions the
+request's own later tokens would. Requests wait in one FIFO: a
 later, smaller request never overtakes the head of the queue (no starvation of long requests). One
 larger than the whole budget is refused at once (`KVBudgetExceeded`, 400); beyond `max_waiting` waiting
 requests a new one is refused (`QueueFull`, 429). `admit()` decides that synchronously, so the HTTP
