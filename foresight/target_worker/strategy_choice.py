@@ -6,9 +6,10 @@ So it includes the wait for the drafter's block (exposed drafting), the verifica
 drafter could not hide; a round of the target's own prompt lookup ("ngram", a plain step whenever lookup
 finds nothing worth verifying) is measured the same way and competes on equal terms.
 
-The estimate of a strategy for a request pools what this request measured (every round, full weight) with
-what earlier requests of the same class (greedy or sampled: acceptance differs too much to pool) measured
-lately, which counts as at most PRIOR_ROUNDS rounds. Each round takes the best estimate, except for trials:
+The estimate of a strategy for a request pools what this request measured lately (its last ~OWN_ROUNDS
+rounds of that strategy: a long request's text changes, and its early rounds must not hold it to a
+strategy that has stopped paying) with what earlier requests of the same class (greedy or sampled:
+acceptance differs too much to pool) measured lately, which counts as at most PRIOR_ROUNDS rounds. Each round takes the best estimate, except for trials:
 a strategy no request of the class has run yet is tried at once; any other is tried again once the
 class has run EXPLORE_ROUNDS / r**2 rounds since its last trial (at most MAX_WAIT), where r is its
 estimate over the best one's: close rivals are re-checked often, hopeless ones rarely; an estimate resting
@@ -35,6 +36,10 @@ from typing import Sequence
 # lookup itself (well under a millisecond), and two near-equal rivals would cost exploring without end.
 LOCAL_STRATEGIES = ("ar", "ngram")
 POOLED_DECAY = 0.95  # per round a strategy runs: the pooled figures follow its last ~20 rounds
+# Per round a strategy runs for the request: its own figures follow its last ~10 rounds. Without it a long
+# request whose first rounds went well kept a strategy that ran at 0.9x the best for the rest of it
+# (measured: fp32 HumanEval T=1; simulated: test_a_long_request_follows_its_own_change).
+OWN_DECAY = 0.9
 PRIOR_ROUNDS = 8.0  # the pooled estimate weighs at most this many of the request's own rounds
 EXPLORE_ROUNDS = 64.0  # rounds between trials of a strategy as good as the best (longer for worse ones)
 CONFIDENT_ROUNDS = 8.0  # pooled rounds behind an estimate for its full wait between trials
@@ -108,7 +113,7 @@ class StrategyChooser:
             return  # nothing to measure, or the strategy's first round in the class (see the docstring)
         self.measured_n[key] = self.measured_n.get(key, 0) + 1
         choice.last_rate = tokens / seconds
-        choice.measured.setdefault(s, Goodput()).add(tokens, seconds)
+        choice.measured.setdefault(s, Goodput()).add(tokens, seconds, OWN_DECAY)
         self.pooled[choice.group][s].add(tokens, seconds, POOLED_DECAY)
         self.rounds[choice.group] += 1
 

@@ -130,3 +130,23 @@ def test_a_rival_with_long_rounds_is_tried_less_often():
 
     short, long = trials((1, 0.060)), trials((5, 0.300))  # both at half the best rate
     assert long * 3 < short, (short, long)
+
+
+def test_a_long_request_follows_its_own_change():
+    """Within one long request the best strategy turns slightly worse than a rival (the text moved on from
+    what the draft model knows): the request's own old rounds must not keep it there for hundreds of rounds."""
+    chooser = StrategyChooser(STRATEGIES)
+    speeds = dict(SPEEDS)
+    run(chooser, speeds, requests=5)
+    rng = random.Random(1)
+    choice = chooser.start("greedy")
+    used = []
+    for i in range(300):
+        if i == 100:
+            speeds["sync"] = (2, 0.048)  # 41.7 tokens/s against hybrid's 44.4
+        tokens, seconds = speeds[choice.current]
+        chooser.observe(choice, tokens, seconds * rng.uniform(0.8, 1.2))
+        used.append(choice.current)
+        chooser.advance(choice)
+    assert used[:100].count("sync") > 85
+    assert used[200:].count("hybrid") > 80, {s: used[200:].count(s) for s in STRATEGIES}
