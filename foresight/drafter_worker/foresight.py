@@ -32,6 +32,9 @@ sampling temperature (`DraftContext.temperature`, sent in StartDraft; a `tempera
 construction overrides it). At temperature 0 the outcome law is a point mass on the decoder's greedy path, so that
 outcome is cached first and the rest of the cache follows the temperature-1 scores.
 
+Several requests' rounds run as one batch (`foresee_batch`, foresight_batch.py; `foresee` is its one-
+request case): steps 1-2 and 4 take one pass for all of them, with the stages defined here.
+
 Scores follow the request's verification (StartDraft's sampling): top-k and top-p truncate p_hat as
 they truncate the target's distribution, and under nucleus verification drafts inside p_hat's nucleus
 count as surely accepted (`outcomes.py`). With a calibration fit on held-out rounds (appendix B.1,
@@ -39,10 +42,9 @@ count as surely accepted (`outcomes.py`). With a calibration fit on held-out rou
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -52,13 +54,13 @@ from ..target_worker.sampling import target_probs
 from ..target_worker.verification import in_nucleus
 from .budget import Plan, StepCosts, plan_round
 from .calibration import FILE_NAME as CALIBRATION_FILE, Calibration, calibrated_scores
+from .foresight_batch import BatchedForesight, ForesightStats
 from ..models.decoder import DecoderCache, ForesightDecoder
-from ..models.draft_model import ContextKV, DraftModel, SharedWeights, draw_noise
+from ..models.draft_model import ContextKV, DraftModel, SharedWeights
 from .jetspec_proposer import DraftModelState, JetSpecProposer, load_drafter_target
 from .outcomes import Outcome, outcome_scores, select_outcomes
 from .proposer import Draft, DraftContext
-from .refinement import Refiner, row_contexts
-from .speculation_cache import CacheEntry
+from .refinement import row_contexts
 
 __all__ = ["ForesightDrafter"]
 
@@ -78,20 +80,9 @@ class _RequestState:
         return self.model.ctx
 
 
-@dataclass(slots=True)
-class ForesightStats:
-    """The last foresight call, for benchmarks and tests."""
-
-    outcomes: int = 0  # B drafted
-    predict_s: float = 0.0  # adapter + decoder + scoring
-    draft_s: float = 0.0  # the batched draft (J0 + J passes) and its refreshes
-    total_s: float = 0.0
-    plan: Plan | None = None  # the round's plan (B, J, R caps); rows may spend less
-    mode: str = ""  # the refinement mode used
-
-
-class ForesightDrafter:
-    """A JetSpec draft model with foresight (adapter + decoder): supports pipelined mode."""
+class ForesightDrafter(BatchedForesight):
+    """A JetSpec draft model with foresight (adapter + decoder): supports pipelined mode. Its rounds,
+    for one request or several in one batch, are `BatchedForesight`'s (foresight_batch.py)."""
 
     name = "jetspec++"
     supports_foresight = True
@@ -240,7 +231,7 @@ class ForesightDrafter:
                     drafts[i] = draft
         return drafts
 
-    # ------------------------------------------------------------------ foresight
+    # ------------------------------------------------------------------ foresight: prediction (steps 1-2)
 
     @torch.inference_mode()
     def predict(self, ctx: DraftContext, block: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -249,29 +240,66 @@ class ForesightDrafter:
         return self._predict_block(self._absorb(ctx), ctx, block)
 
     def _predict_block(self, state: _RequestState, ctx: DraftContext, block: list[int]):
-        """`predict` on a state that has absorbed ctx already."""
-        n = len(ctx.tokens) - 1
-        if state.scored != n:
-            raise ValueError(f"foresight needs the true states of positions 0..{n - 1}, have {state.scored}")
-        tokens = torch.tensor([[ctx.tokens[-1], *block]])
-        pred, logits, dec_states = self.predict_rows(state, n, tokens, self._take_decoder_new(state))
-        return pred[0], logits[0], dec_states[0]
+        """`predict` on a state that has absorbed ctx already (`_predict_blocks` of one request)."""
+        return self._predict_blocks([state], [ctx], [block])[0]
+
+    def _predict_blocks(self, states: list[_RequestState], ctxs: list[DraftContext], blocks: list[list[int]]):
+        """Steps 1-2 for several requests' blocks [y0, d_1..d_gamma] in one adapter pass and one decoder pass
+        (each decoder cache takes its request's new context states in that pass) -> per request the tensors
+        of `predict`, [gamma_g+1, ...] each."""
+        ns = [len(ctx.tokens) - 1 for ctx in ctxs]
+        for state, n in zip(states, ns):
+            if state.scored != n:
+                raise ValueError(f"foresight needs the true states of positions 0..{n - 1}, have {state.scored}")
+        lengths = [len(block) + 1 for block in blocks]
+        width = max(lengths)
+        # [G, L]: a shorter block right-padded with its anchor (the rows are causal: padding changes no real position)
+        tokens = torch.tensor([[ctx.tokens[-1], *block] + ctx.tokens[-1:] * (width - length)
+                               for ctx, block, length in zip(ctxs, blocks, lengths)])
+        pred, logits, dec_states = self._predict(states, ns, tokens, [self._take_decoder_new(s) for s in states])
+        return [(pred[g, :n], logits[g, :n], dec_states[g, :n]) for g, n in enumerate(lengths)]
 
     @torch.inference_mode()
     def predict_rows(self, state: _RequestState, n: int, tokens: torch.Tensor,
                      decoder_new: torch.Tensor | None = None):
-        """Rows of tokens [R, L] at positions n..n+L-1 over the true context (causal: right-padding is
-        harmless) -> adapter prediction [R, L, n_adapter*H], decoder logits [R, L, vocab] (float32) and the
+        """Rows of tokens [R, L] at positions n..n+L-1 over one request's true context (causal: right-padding
+        is harmless) -> adapter prediction [R, L, n_adapter*H], decoder logits [R, L, vocab] (float32) and the
         decoder's states the draft model reads [R, L, n_dec*H] (indices above the decoder's input, then the
         final-normed state). `decoder_new` [m, H] (one row only): the decoder's new context states, taken
         into its cache in the same pass."""
-        if decoder_new is None:
-            self._flush_decoder(state)
-        pred = self.adapter.predict(state.adapter, tokens.long(), n)  # [R, L, n_adapter * H]
-        logits, dec_states = self.decoder.logits_and_hidden(state.decoder, pred[..., self._pred_decoder_cols], n,
-                                                            keep=self._decoder_keep, context_states=decoder_new,
-                                                            linear_states=state.linear_states)
+        rows = tokens.shape[0]
+        return self._predict([state] * rows, [n] * rows, tokens, [decoder_new] + [None] * (rows - 1))
+
+    @torch.inference_mode()
+    def _predict(self, states: list[_RequestState], ns: list[int], tokens: torch.Tensor,
+                 news: list[torch.Tensor | None]):
+        """Row g of tokens [G, L] at positions ns[g].. over states[g]'s true context (rows may share one) ->
+        the tensors of `predict_rows`, [G, L, ...]. news[g] [m, H]: the decoder's new context states its
+        row takes in the same pass (None: pending ones are taken first, on their own). If the pass fails,
+        each request keeps the new states its cache did not take."""
+        for state, new in zip(states, news):
+            if new is None:
+                self._flush_decoder(state)
+        try:
+            actxs = [state.adapter for state in states]
+            if hasattr(self.adapter, "predict_many"):
+                pred = self.adapter.predict_many(actxs, tokens.long(), ns)  # [G, L, n_adapter * H]
+            elif all(s is states[0] for s in states):  # an adapter without it (the tests' oracle): one request
+                pred = self.adapter.predict(actxs[0], tokens.long(), ns[0])
+            else:  # or one call per request
+                pred = torch.cat([self.adapter.predict(a, tokens[g:g + 1].long(), n)
+                                  for g, (a, n) in enumerate(zip(actxs, ns))])
+            logits, dec_states = self.decoder.logits_and_hidden_many(
+                [state.decoder for state in states], pred[..., self._pred_decoder_cols], ns, keep=self._decoder_keep,
+                context_states=news, linear_states=[state.linear_states for state in states])
+        except BaseException:
+            for state, new, n in zip(states, news, ns):
+                if new is not None and state.decoder.length < n:  # not taken: the next pass takes it
+                    state.decoder_new.insert(0, new)
+            raise
         return pred, logits, dec_states
+
+    # ------------------------------------------------------------------ foresight: selection, drafting (steps 3-5)
 
     def select(self, logits: torch.Tensor, block: list[int], B: int, temperature: float | None,
                sampling: SamplingParams | None = None, confidence: Sequence[float] = (),
@@ -334,56 +362,6 @@ class ForesightDrafter:
         j = self.foresight_passes
         r = 0 if mode == "none" else j if self.refreshes is None else self.refreshes
         return plan_round(self.costs, budget_s if self.use_budget else 0.0, self.cache_size, j, r)
-
-    def foresee(self, ctx: DraftContext, block: list[int], max_drafts: int, budget_s: float,
-                stop: Callable[[], bool] | None = None, confidence: Sequence[float] = ()) -> list[CacheEntry]:
-        """Steps 1-5 for `block` (`confidence`: the draft model's probability of each of its tokens). `stop`: asked between stages whether a message waits (an outcome, or any
-        other request's message); then the job ends at once: before drafting it returns nothing, after it
-        the drafts as they stand (every pass and refresh leaves a valid block)."""
-        stop = stop or (lambda: False)
-        if max_drafts <= 0:
-            return []
-        mode = ctx.refinement or self.refinement  # the request's, else the engine's
-        if mode not in REFINEMENTS:
-            raise ValueError(f"refinement must be one of {', '.join(REFINEMENTS)} (got {mode!r})")
-        t0 = time.perf_counter()
-        state = self._absorb(ctx)
-        if state.draft is None:
-            return []
-        pred, logits, dec_states = self._predict_block(state, ctx, block)
-        # A fixed temperature given at construction wins; else the request's own (from StartDraft).
-        temperature = self.temperature if self.temperature is not None else ctx.temperature
-        t1 = time.perf_counter()
-        self.costs.predict.observe(t1 - t0)
-        plan = self.plan(budget_s, mode)
-        picked = self.select(logits, block, plan.outcomes, temperature, ctx.sampling, confidence)
-        if not picked or stop():
-            return []
-        refiner = self.predraft(ctx, state, block, picked, self.draft_states(pred, dec_states), max_drafts, plan,
-                                mode, stop)
-        t2 = time.perf_counter()
-        self.stats = ForesightStats(len(picked), t1 - t0, t2 - t1, t2 - t0, plan, mode)
-        rows = zip(picked, refiner.drafts.tolist(), refiner.confidence, refiner.passes, refiner.refreshes)
-        return [CacheEntry(accepted=o.k, bonus=o.a, tokens=tuple(d), score=o.score, passes=j, refreshes=r,
-                           confidence=tuple(c) if c is not None else ()) for o, d, c, j, r in rows]
-
-    def predraft(self, ctx: DraftContext, state: _RequestState, block: list[int], picked: list[Outcome],
-                 states: torch.Tensor, max_drafts: int, plan: Plan, mode: str,
-                 stop: Callable[[], bool] | None = None) -> Refiner:
-        """Steps 4-5 for the picked outcomes: J0 + (J - R) passes in one batch, then R refreshes, each
-        followed by a pass. states [gamma+1, n_src*H]: the predicted draft-model states of the block.
-        Returns the refiner holding the drafts [B, max_drafts] and what each row spent."""
-        n = len(ctx.tokens) - 1
-        noise = torch.stack([draw_noise(ctx.tokens + block[:o.k] + [o.a], max_drafts - 1, state.model.generator)
-                             for o in picked])  # [B, max_drafts-1]
-        outcomes, plain = [(o.k, o.a) for o in picked], plan.passes - plan.refreshes
-        t0 = time.perf_counter()
-        drafts, confidence = self.draft_outcomes(state, n, states, outcomes, noise, plain)
-        self.costs.passes.observe(len(picked), (time.perf_counter() - t0) / (1 + plain))
-        refiner = Refiner(self.bound_rows(state, n), ctx.tokens[-1], block, outcomes, drafts, mode, passes=plain,
-                          confidence=confidence)
-        refiner.run(plan.refreshes, self.costs, stop)
-        return refiner
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,6 +108,9 @@ class ForesightProposer(Proposer, Protocol):
         early with what is ready (possibly nothing)."""
         ...
 
+    # Optional: `foresee_batch(ctxs, blocks, max_drafts, budget_s, stop, confidences)`, `foresee` for several
+    # requests at once (one list of entries per request); the worker then runs every queued job in one call.
+
 
 class StatelessProposer:
     """A proposer that keeps nothing per request (prompt lookup, scripted test proposers)."""

@@ -2,8 +2,10 @@
 
 Sync mode: each `Outcome` is absorbed into the request's context and answered with a fresh block.
 Pipelined mode: right after sending a block the drafter queues foresight for it; whenever no message
-is waiting it runs the oldest job, pre-drafting blocks for the outcomes it expects into the
-speculation cache. The next `Outcome` is answered from the cache on a hit, else by a fallback draft.
+is waiting it runs the queued jobs, pre-drafting blocks for the outcomes it expects into the
+speculation cache: every live job in one batch when the proposer can (`foresee_batch`: one adapter,
+decoder and draft-model pass for all of them), else the oldest. The next `Outcome` is answered from the
+cache on a hit, else by a fallback draft.
 Messages always go first: foresight never delays an answer the target is waiting for.
 Either way the block sent is the prefix the verify-length controller expects to commit the most tokens
 per second (`verify_length.py`; `--verify-length max` sends every draft).
@@ -133,7 +135,7 @@ class DrafterWorker:
             if msg is not None:
                 self.handle([msg, *self.waiting_messages()])
             elif self.jobs:
-                self.run_foresight(self.jobs.popleft())
+                self.run_jobs()
 
     def waiting_messages(self) -> list:
         msgs = []
@@ -258,12 +260,32 @@ class DrafterWorker:
         """A message from the target waits: foresight stops between stages for it (`foresee`'s `stop`)."""
         return bool(self.recv_from_target.socket.poll(0, zmq.POLLIN))
 
+    def live(self, job: ForesightJob) -> DraftContext | None:
+        """The job's request context, unless the job is stale: released, or its outcome already arrived (the
+        target was faster than us)."""
+        ctx = self.contexts.get(job.req_id)
+        return ctx if ctx is not None and ctx.round == job.round else None
+
+    def run_jobs(self) -> None:
+        """Run the queued foresight: all live jobs in one `foresee_batch` when the proposer has it (a batched
+        target step reports its requests' outcomes at once, so their jobs queue together), else the oldest
+        job alone."""
+        if not hasattr(self.proposer, "foresee_batch"):
+            self.run_foresight(self.jobs.popleft())
+            return
+        jobs = {job.req_id: job for job in self.jobs if self.live(job)}  # the newest per request
+        self.jobs.clear()
+        if len(jobs) == 1:
+            self.run_foresight(*jobs.values())
+        elif jobs:
+            self.run_foresight_batch(list(jobs.values()))
+
     def run_foresight(self, job: ForesightJob) -> None:
         """Pre-draft for the outcomes of `job.round`'s block, unless that outcome already arrived. A message
         that arrives meanwhile ends the job between stages; what was drafted by then is cached."""
-        ctx = self.contexts.get(job.req_id)
-        if ctx is None or ctx.round != job.round:
-            return  # released, or the target was faster than us: the job is stale
+        ctx = self.live(job)
+        if ctx is None:
+            return
         try:
             max_drafts = self.draft_length(ctx, job.max_drafts, job.round + 1)  # the entries answer round+1
             entries = self.proposer.foresee(ctx, ctx.last_block.tokens, max_drafts, self.verify.seconds,
@@ -272,6 +294,25 @@ class DrafterWorker:
             log.exception("request %s: foresight drafting failed; the next round misses the cache", job.req_id)
             return
         self.cache.fill(job.req_id, job.round + 1, entries)
+
+    def run_foresight_batch(self, jobs: list[ForesightJob]) -> None:
+        """`run_foresight` for several live jobs in one `foresee_batch`. A message that arrives meanwhile ends
+        the whole batch between stages. If the batch fails, its jobs run one by one, so that a request whose
+        part fails misses the cache alone."""
+        ctxs = [self.contexts[job.req_id] for job in jobs]
+        try:
+            max_drafts = [self.draft_length(ctx, job.max_drafts, job.round + 1) for ctx, job in zip(ctxs, jobs)]
+            got = self.proposer.foresee_batch(ctxs, [ctx.last_block.tokens for ctx in ctxs], max_drafts,
+                                              self.verify.seconds, self.message_waiting,
+                                              [ctx.last_block.confidence for ctx in ctxs])
+        except Exception:
+            log.exception("foresight for %d requests (%s) failed; running them one by one", len(jobs),
+                          ", ".join(job.req_id for job in jobs))
+            for job in jobs:
+                self.run_foresight(job)
+            return
+        for job, entries in zip(jobs, got):
+            self.cache.fill(job.req_id, job.round + 1, entries)
 
     def on_release(self, msg: ReleaseDraft) -> None:
         self.contexts.pop(msg.req_id, None)

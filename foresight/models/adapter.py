@@ -40,6 +40,10 @@ rollback raises ValueError (per-position states would cost a recurrent state per
 RoPE comes from the target's inverse frequencies: with partial rotary (Qwen3.5 / Next: a quarter of head_dim)
 cos/sin cover the rotary dims only, and Qwen3.5's multimodal RoPE is plain RoPE at text positions.
 
+Serving keeps one `AdapterContext` per request. `predict_many` predicts the blocks of several requests in
+one pass (the foresight drafter's batch): their context keys/values right-padded to the longest and
+masked, each row at its own positions, linear-attention layers starting from each row's own state.
+
 The checkpoint is a folder (config.json + model.safetensors, fp16); the token embedding and the RoPE
 frequencies come from the target at load time and are never stored.
 """
@@ -332,28 +336,48 @@ class Adapter(nn.Module):
                 committed.append([None if st is None else (st[0][0], st[1][0]) for st in news])
         return AdapterContext(keys, values, start_pos + n, committed)
 
-    def _block_context(self, actx: AdapterContext, start_pos: int, b: int):
-        """Per stage, per layer: context keys/values [b, start_pos, kv, d] (views) and linear-attention states
-        (copies, [b, ...]) for b rows that continue actx at start_pos."""
+    def _block_context(self, actxs: list[AdapterContext], starts: list[int]):
+        """Per stage, per layer: context keys/values [G, T, kv, d] (T = max(starts); row g holds actxs[g]'s
+        positions < starts[g], zeros after them) and linear-attention states (copies, [G, ...]; None when no
+        row has a state) for rows that continue actxs[g] at starts[g]; and ctx_mask [G, T] (True = a real
+        context position). Rows over one context at one start share it (views, no padding)."""
+        g, t = len(actxs), max(starts)
+        shared = all(a is actxs[0] for a in actxs) and len(set(starts)) == 1
         keys, values, states = [], [], []
         for s, stage in enumerate(self.stages):
             ks, vs, sts = [], [], []
             for j, layer in enumerate(stage):
                 k = v = st = None
                 if isinstance(layer, LinearAdapterLayer):
-                    st = _rows(actx.states[s][j], b)
-                elif actx.length:
-                    k = actx.keys[s][j][:start_pos].expand(b, -1, -1, -1)
-                    v = actx.values[s][j][:start_pos].expand(b, -1, -1, -1)
+                    st = _rows(actxs[0].states[s][j], g) if shared else self._stack_states(layer, actxs, s, j)
+                elif shared and t:
+                    k = actxs[0].keys[s][j][:t].expand(g, -1, -1, -1)
+                    v = actxs[0].values[s][j][:t].expand(g, -1, -1, -1)
                 else:
-                    k = v = torch.zeros(b, 0, layer.kv_heads, layer.head_dim, device=self.device, dtype=self.dtype)
+                    k = torch.zeros(g, t, layer.kv_heads, layer.head_dim, device=self.device, dtype=self.dtype)
+                    v = torch.zeros_like(k)  # masked columns must hold finite numbers
+                    for r, (a, n) in enumerate(zip(actxs, starts)):
+                        if n:
+                            k[r, :n], v[r, :n] = a.keys[s][j][:n], a.values[s][j][:n]
                 ks.append(k)
                 vs.append(v)
                 sts.append(st)
             keys.append(ks)
             values.append(vs)
             states.append(sts)
-        return keys, values, states
+        ctx_mask = torch.arange(t, device=self.device) < torch.tensor(starts, device=self.device)[:, None]
+        return keys, values, states, ctx_mask
+
+    def _stack_states(self, layer: LinearAdapterLayer, actxs: list[AdapterContext], s: int, j: int):
+        """The committed states of stage s, layer j of every row's context, stacked (copies): conv
+        [G, conv_dim, kernel], recurrent [G, v_heads, k_dim, v_dim]. A context without one (no position
+        yet) starts from zeros, which the mixer treats as no past; None when no row has a state."""
+        rows = [a.states[s][j] for a in actxs]
+        if all(st is None for st in rows):
+            return None
+        like = self.embed_weight.new_empty(0, dtype=self.dtype)
+        rows = [layer.zero_state(1, like) if st is None else _rows(st, 1) for st in rows]
+        return torch.cat([c for c, _ in rows]), torch.cat([r for _, r in rows])
 
     @torch.inference_mode()
     def predict(self, actx: AdapterContext, tokens: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
@@ -361,17 +385,32 @@ class Adapter(nn.Module):
         start_pos..start_pos+L-1 (default: the context length; with linear-attention layers it must be); every
         row continues the same context (its positions < start_pos), causally inside the block. actx is not
         modified."""
-        start_pos = actx.length if start_pos is None else start_pos
-        if not 0 <= start_pos <= actx.length:
-            raise ValueError(f"block must start within the context 0..{actx.length}, got {start_pos}")
-        self._check_end(actx, start_pos, "cannot predict a block")
+        b = tokens.shape[0]
+        return self.predict_many([actx] * b, tokens, None if start_pos is None else [start_pos] * b)
+
+    @torch.inference_mode()
+    def predict_many(self, actxs: list[AdapterContext], tokens: torch.Tensor,
+                     starts: list[int] | None = None) -> torch.Tensor:
+        """`predict` with a context per row, in one pass: row g of tokens [G, L] continues actxs[g] at
+        positions starts[g]..starts[g]+L-1 (default: each context's length; with linear-attention layers it
+        must be). Contexts of different lengths are right-padded to the longest and masked ([G, L, T+L]);
+        linear-attention layers start each row from its own context's state. Rows may share a context.
+        -> [G, L, n_idx*H]; row g equals `predict(actxs[g], tokens[g:g+1], starts[g])` up to float rounding."""
+        starts = [a.length for a in actxs] if starts is None else [int(s) for s in starts]
+        if len(starts) != len(actxs) or len(actxs) != tokens.shape[0]:
+            raise ValueError(f"one context and start per row: {len(actxs)} contexts, {len(starts)} starts, "
+                             f"{tokens.shape[0]} rows")
+        for actx, start_pos in zip(actxs, starts):
+            if not 0 <= start_pos <= actx.length:
+                raise ValueError(f"block must start within the context 0..{actx.length}, got {start_pos}")
+            self._check_end(actx, start_pos, "cannot predict a block")
         tokens = tokens.to(self.device).long()
-        b, l = tokens.shape
-        keys, values, states = self._block_context(actx, start_pos, b)
+        g, l = tokens.shape
+        keys, values, states, ctx_mask = self._block_context(actxs, starts)  # ctx_mask [G, T]
         causal = torch.ones(l, l, dtype=torch.bool, device=self.device).tril()
-        mask = torch.cat([torch.ones(l, start_pos, dtype=torch.bool, device=self.device), causal], dim=1)
-        positions = torch.arange(start_pos, start_pos + l, device=self.device).expand(b, l)
-        outs = self.run_stages(self.embed(tokens), keys, values, positions, mask.expand(b, l, -1), states)
+        mask = torch.cat([ctx_mask[:, None, :].expand(g, l, -1), causal.expand(g, l, l)], dim=2)  # [G, L, T+L]
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(l, device=self.device)  # [G, L]
+        outs = self.run_stages(self.embed(tokens), keys, values, positions, mask, states)
         return torch.cat(outs, dim=-1)
 
     @torch.inference_mode()

@@ -27,6 +27,11 @@ block in ONE pass: that pass runs the linear layers on past the context into the
 after the context alone, which the pass cannot give, is the target's snapshot. Without one it takes two
 passes. Linear-attention state cannot be rolled back, so a hybrid context only grows.
 
+Several requests in one pass (`logits_and_hidden_many`, the foresight drafter's batch): each row attends
+to its own cache's keys/values, right-padded to the longest context under a padding mask, at its own
+positions, and takes its request's new context states in the same pass; linear-attention layers start
+each row from a copy of its request's committed state. `logits_and_hidden` is the one-cache case.
+
 Supported: full-attention layers that see the whole context (Llama, SmolLM2, Qwen3, and the gated
 attention of Qwen3.5 / Qwen3-Next), and the Gated DeltaNet layers of Qwen3.5 / Qwen3-Next. Sliding-
 window layers (Gemma3) would need a windowed cache and soft-capped heads their own head; both raise
@@ -139,7 +144,8 @@ class ForesightDecoder:
                                  f"extend at {start_pos})")
             cache.kv.crop(start_pos - length)  # negative count: drop the replaced tail
         if states.shape[0]:
-            self._layers(states, start_pos, cache.kv)  # fills cache.kv for the decoder layers
+            positions = torch.arange(start_pos, start_pos + states.shape[0], device=self.device)[None]  # [1, n]
+            self._layers(states, positions, cache.kv)  # fills cache.kv for the decoder layers
         cache.length = start_pos + states.shape[0]
         self.adopt(cache, linear_states)
 
@@ -188,50 +194,95 @@ class ForesightDecoder:
         (as `extend_context`) in the same pass as one block (batch 1) that starts right after them. A
         pass over a few rows costs what reading the layers' weights costs, so this halves a round's
         decoder time against extending and scoring separately. With linear-attention layers the one pass
-        needs `linear_states`, the target's snapshot after those m positions; without it, two passes."""
+        needs `linear_states`, the target's snapshot after those m positions; without it, two passes.
+        (`logits_and_hidden_many` with this one cache in every row.)"""
+        squeeze = block_states.dim() == 2
+        blocks = block_states[None] if squeeze else block_states  # [batch, gamma+1, hidden]
+        batch = blocks.shape[0]
+        if context_states is not None and batch != 1:
+            raise ValueError("context_states go with one block starting right after them")
+        out, states = self.logits_and_hidden_many(
+            [cache] * batch, blocks, None if start_pos is None else [start_pos] * batch, keep,
+            None if context_states is None else [context_states], [linear_states] * batch)
+        return (out[0], states[0]) if squeeze else (out, states)
+
+    @torch.inference_mode()
+    def logits_and_hidden_many(self, caches: list[DecoderCache], blocks: torch.Tensor,
+                               starts: list[int | None] | None = None, keep: tuple[int, ...] = (),
+                               context_states: list[torch.Tensor | None] | None = None,
+                               linear_states: list[LinearStates | None] | None = None,
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logits_and_hidden` for several requests in one pass: row g of blocks [G, gamma+1, hidden] (a
+        shorter block right-padded: it attends causally) over caches[g] at positions starts[g]..
+        (None: the context's end, after its new states). A cache may stand for several rows (the rows of
+        one request) but take new states in one row only.
+
+        `context_states[g]` [m_g, hidden] (or None): TRUE states of the positions after caches[g]'s context,
+        taken into it in the same pass; the row's block then starts right after them. With linear-attention
+        layers that needs `linear_states[g]`, the target's snapshot after them; a row without one is
+        extended on its own first (two passes for that request).
+
+        The pass lays the rows side by side like the target's batched verify (target_worker/batched_kv.py):
+        row g feeds [new states; block] at positions T_g.. (T_g = the context positions it attends to),
+        right-padded to the longest; each attention layer sees the rows' context keys/values right-padded to
+        the longest context, T, then the new keys, under a padding mask; linear-attention layers start each
+        row from a copy of its cache's committed state. A cache takes its new states only once the pass has
+        succeeded (a two-pass row's extension comes before it).
+        -> logits [G, gamma+1, vocab] float32, states [G, gamma+1, (len(keep)+1) * hidden]; row g equals
+        what `logits_and_hidden` gives for it alone, up to float rounding."""
         bad = [i for i in keep if not self.input_index < i < self.layer_ids[-1] + 1]
         if bad:
             raise ValueError(f"the decoder passes through indices {self.input_index + 1}..{self.layer_ids[-1]}, "
                              f"not {bad}")
-        squeeze = block_states.dim() == 2
-        blocks = block_states[None] if squeeze else block_states  # [batch, gamma+1, hidden]
-        kept: list[torch.Tensor] = []
-        if context_states is not None and context_states.shape[0] and self.linear_layers and not (
-                linear_states is not None and linear_states.position == cache.length + context_states.shape[0]):
-            # No snapshot to end a one-pass extension at: extend first, then score the block.
-            self.extend_context(cache, context_states, cache.length, linear_states)
-            context_states = None
-        if context_states is not None and context_states.shape[0]:
-            h = self._extend_and_run(cache, context_states, blocks, start_pos, keep, kept, linear_states)
-        else:
+        g, width = blocks.shape[:2]
+        starts = list(starts) if starts is not None else [None] * g
+        news = [None if c is None or not c.shape[0] else c for c in (context_states or [None] * g)]
+        news += [None] * (g - len(news))
+        snaps = list(linear_states) if linear_states is not None else [None] * g
+        for cache, start, new in zip(caches, starts, news):
             length = cache.length
-            start_pos = length if start_pos is None else start_pos
-            if not 0 <= start_pos <= length:
-                raise ValueError(f"block must start within the context 0..{length}, got {start_pos}")
-            view = self._view(cache, upto=start_pos, batch=blocks.shape[0])  # context KV; cache untouched
-            h = self._layers(blocks, start_pos, view, keep, kept)
-        h = self.norm(h)  # [batch, gamma+1, hidden]
-        out = self._head(h)  # [batch, gamma+1, vocab] float32
-        states = torch.cat([*kept, h], dim=-1)  # [batch, gamma+1, (len(keep)+1) * hidden]
-        return (out[0], states[0]) if squeeze else (out, states)
-
-    def _extend_and_run(self, cache: DecoderCache, context_states: torch.Tensor, blocks: torch.Tensor,
-                        start_pos: int | None, keep: tuple[int, ...], kept: list[torch.Tensor],
-                        linear_states: LinearStates | None) -> torch.Tensor:
-        """One pass over [new context states; block] -> the block's top-layer states [1, gamma+1, hidden];
-        the cache keeps the new context positions' keys/values only, and the snapshot's linear state."""
-        length, m = cache.length, context_states.shape[0]
-        if blocks.shape[0] != 1 or (start_pos is not None and start_pos != length + m):
-            raise ValueError(f"context_states go with one block starting right after them (position {length + m})")
-        both = torch.cat([context_states.to(blocks.dtype), blocks[0]])[None]  # [1, m + gamma+1, hidden]
+            if new is not None and sum(c is cache for c in caches) > 1:
+                raise ValueError("a cache that takes new context states stands for one row only")
+            if new is not None and start is not None and start != length + new.shape[0]:
+                raise ValueError(f"context_states go with one block starting right after them "
+                                 f"(position {length + new.shape[0]})")
+            if new is None and start is not None and not 0 <= start <= length:
+                raise ValueError(f"block must start within the context 0..{length}, got {start}")
+        for r, (cache, new, snap) in enumerate(zip(caches, news, snaps)):
+            if new is not None and self.linear_layers and not (
+                    snap is not None and snap.position == cache.length + new.shape[0]):
+                # No snapshot to end a one-pass extension at: extend first, then score the block.
+                self.extend_context(cache, new, cache.length, snap)
+                news[r] = None
+        m = [0 if new is None else new.shape[0] for new in news]  # new context positions per row
+        past = [cache.length if new is not None or start is None else start
+                for cache, start, new in zip(caches, starts, news)]  # T_g
+        cols = max(m) + width  # W: positions fed per row, padding included
+        x = blocks.to(device=self.device, dtype=self.dtype)
+        if any(m):  # row g = [new_g; block_g; padding]
+            x = x.new_zeros(g, cols, x.shape[-1])
+            for r, new in enumerate(news):
+                if new is not None:
+                    x[r, :m[r]] = new.to(x)
+                x[r, m[r]:m[r] + width] = blocks[r].to(x)
+        position_ids = torch.tensor(past, device=self.device)[:, None] + torch.arange(cols, device=self.device)
+        view, padding = self._view(caches, past, cols)
         rows: list[torch.Tensor] = []
-        h = self._layers(both, length, cache.kv, keep, rows)
-        for i in self.attention_layers:
-            cache.kv.layers[i].crop(-blocks.shape[1])  # the block's keys/values were scratch
-        cache.length = length + m
-        self.adopt(cache, linear_states)  # the linear layers ran on into the block: the state after m is the target's
-        kept.extend(r[:, m:] for r in rows)
-        return h[:, m:]
+        h = self._layers(x, position_ids, view, keep, rows, padding)  # [G, W, hidden]
+        t = max(past)
+        for r, (cache, new) in enumerate(zip(caches, news)):
+            if new is not None:
+                for i in self.attention_layers:  # the new positions' keys/values; the block's were scratch
+                    src = view.layers[i]
+                    _append(cache.kv.layers[i], src.keys, src.values, r, past[r], t, m[r], g == 1)
+                cache.length += m[r]
+                # The linear layers ran on into the block: the state after the new positions is the target's.
+                self.adopt(cache, snaps[r])
+        if any(m):
+            take = lambda y: torch.stack([y[r, m[r]:m[r] + width] for r in range(g)])  # noqa: E731
+            h, rows = take(h), [take(y) for y in rows]
+        h = self.norm(h)  # [G, gamma+1, hidden]
+        return self._head(h), torch.cat([*rows, h], dim=-1)
 
     def score(self, cache: DecoderCache, block_states: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
         """p_hat(. | j) for every prefix j of the block: softmax of `logits` at temperature 1.
@@ -251,47 +302,70 @@ class ForesightDecoder:
         out[..., self.vocab_subset] = sub
         return out
 
-    def _view(self, cache: DecoderCache, upto: int, batch: int) -> DynamicCache:
-        """A fresh cache whose decoder layers hold (references to) the first `upto` context positions."""
+    def _view(self, caches: list[DecoderCache], past: list[int], cols: int):
+        """A fresh cache for one pass whose row g continues caches[g] after its first past[g] positions:
+        attention layers hold the rows' context keys/values [G, kv_heads, T, head_dim] (T = max(past); zeros
+        past a shorter row's end), linear-attention layers a copy of each row's committed state. Rows over
+        one cache share its tensors (views; `DynamicLayer.update` concatenates, never writes in place). Also
+        the 2-D padding mask [G, T + cols] (True = a real key; None when no row is padded)."""
+        g, t = len(caches), max(past)
         view = DynamicCache(config=self.config)
-        if upto == 0:
-            return view
-        if self.linear_layers and upto != cache.length:
-            raise ValueError(f"linear-attention state is held only at the context's end ({cache.length}), "
-                             f"not at {upto}")
-        for i in self.linear_layers:  # each row starts from its own copy: the layers update it in place
-            src = cache.kv.layers[i]
-            _set_linear_state(view.layers[i], src.conv_states[0].expand(batch, -1, -1),
-                              src.recurrent_states[0].expand(batch, -1, -1, -1))
+        shared = all(c is caches[0] for c in caches) and len(set(past)) == 1
+        for cache, upto in zip(caches, past):
+            if self.linear_layers and cache.length and upto != cache.length:
+                raise ValueError(f"linear-attention state is held only at the context's end ({cache.length}), "
+                                 f"not at {upto}")
+        held = [c.kv.layers for c in caches if c.length]
+        for i in self.linear_layers if held else ():  # each row starts from its own copy: the layers update it
+            zero = [torch.zeros_like(held[0][i].conv_states[0][0]), torch.zeros_like(held[0][i].recurrent_states[0][0])]
+            # A row whose cache holds no position yet starts from zeros, which the layer treats as no past.
+            conv = torch.stack([c.kv.layers[i].conv_states[0][0] if c.length else zero[0] for c in caches])
+            rec = torch.stack([c.kv.layers[i].recurrent_states[0][0] if c.length else zero[1] for c in caches])
+            _set_linear_state(view.layers[i], conv, rec)  # [G, conv_dim, kernel], [G, v_heads, k_dim, v_dim]
+        if t == 0:
+            return view, None
         for i in self.attention_layers:
-            src, dst = cache.kv.layers[i], view.layers[i]
-            keys = src.keys[:, :, :upto].expand(batch, -1, -1, -1)  # [batch, kv_heads, upto, head_dim]
-            values = src.values[:, :, :upto].expand(batch, -1, -1, -1)
+            dst = view.layers[i]
+            if shared:
+                keys = caches[0].kv.layers[i].keys[:, :, :t].expand(g, -1, -1, -1)  # [G, kv_heads, T, head_dim]
+                values = caches[0].kv.layers[i].values[:, :, :t].expand(g, -1, -1, -1)
+            else:
+                first = next(c.kv.layers[i] for c, n in zip(caches, past) if n)
+                keys = first.keys.new_zeros(g, first.keys.shape[1], t, first.keys.shape[-1])
+                values = first.values.new_zeros(g, first.values.shape[1], t, first.values.shape[-1])
+                for r, (cache, n) in enumerate(zip(caches, past)):
+                    if n:
+                        keys[r, :, :n] = cache.kv.layers[i].keys[0, :, :n]
+                        values[r, :, :n] = cache.kv.layers[i].values[0, :, :n]
             dst.lazy_initialization(keys, values)
-            dst.keys, dst.values = keys, values  # DynamicLayer.update concatenates: never written in place
-        return view
+            dst.keys, dst.values = keys, values
+        if len(set(past)) == 1:
+            return view, None
+        real = torch.arange(t, device=self.device) < torch.tensor(past, device=self.device)[:, None]  # [G, T]
+        return view, torch.cat([real, real.new_ones(g, cols)], dim=1)
 
-    def _layers(self, states: torch.Tensor, start_pos: int, kv: DynamicCache, keep: tuple[int, ...] = (),
-                kept: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Top layers over `states` [(batch,) T, hidden] at positions start_pos.. -> [batch, T, hidden];
-        the states at hidden_states indices `keep` are appended to `kept` in `keep` order.
+    def _layers(self, states: torch.Tensor, position_ids: torch.Tensor, kv: DynamicCache, keep: tuple[int, ...] = (),
+                kept: list[torch.Tensor] | None = None, padding: torch.Tensor | None = None) -> torch.Tensor:
+        """Top layers over `states` [(batch,) T, hidden] at positions position_ids [batch or 1, T] ->
+        [batch, T, hidden]; the states at hidden_states indices `keep` are appended to `kept` in `keep` order.
+        `padding` [batch, past + T] (True = a real key) masks the padded context columns of a `_view`.
 
-        Explicit position_ids, and the mask sized from the decoder's first attention layer (`layer_idx`):
-        layer 0 holds no keys here, and the default would size the mask from it.
+        The mask is sized from the decoder's first attention layer (`layer_idx`): layer 0 holds no keys
+        here, and the default would size the mask from it.
         """
         h = states.to(device=self.device, dtype=self.dtype)
         if h.dim() == 2:
             h = h[None]  # [1, T, hidden]
-        batch, n_pos, _ = h.shape
-        position_ids = torch.arange(start_pos, start_pos + n_pos, device=self.device).expand(batch, -1)  # [batch, T]
+        position_ids = position_ids.expand(h.shape[0], -1)  # [batch, T]
         position_embeddings = self.rotary_emb(h, position_ids=position_ids)  # (cos, sin) [batch, T, head_dim]
         mask = None if not self.attention_layers else create_causal_mask(
-            config=self.config, inputs_embeds=h, attention_mask=None, cache=kv,
+            config=self.config, inputs_embeds=h, attention_mask=padding, cache=kv,
             position_ids=position_ids, layer_idx=self.attention_layers[0],
         )
         seen: dict[int, torch.Tensor] = {}
         for layer_id, layer in zip(self.layer_ids, self.layers):
-            # Linear-attention layers take no mask (no padding here): their context is their state.
+            # Linear-attention layers take no mask: their context is their state, and a row's padding comes
+            # after its real positions, which a recurrence never reads back.
             layer_mask = None if layer_id in self.linear_layers else mask
             h = layer(h, attention_mask=layer_mask, position_ids=position_ids, cache=kv, use_cache=True,
                       position_embeddings=position_embeddings)
@@ -300,6 +374,22 @@ class ForesightDecoder:
         if kept is not None:
             kept.extend(seen[i] for i in keep)
         return h
+
+
+def _append(layer, keys: torch.Tensor, values: torch.Tensor, row: int, past: int, t: int, m: int,
+            alone: bool) -> None:
+    """Give a request's attention layer the keys/values of its m new context positions from a pass's
+    `view` layer (keys/values [G, kv_heads, t + W, head_dim]; row `row`, whose context held `past` columns of
+    the t). `alone` (a one-row pass, so past == t): the layer keeps a view of the pass's tensors (no copy,
+    as a crop would); else a tensor of its own (a view would keep every row's tensors alive)."""
+    if alone:
+        k, v = keys[:, :, :t + m], values[:, :, :t + m]
+    else:
+        k = torch.cat([keys[row:row + 1, :, :past], keys[row:row + 1, :, t:t + m]], dim=2)
+        v = torch.cat([values[row:row + 1, :, :past], values[row:row + 1, :, t:t + m]], dim=2)
+    if not layer.is_initialized:
+        layer.lazy_initialization(k, v)
+    layer.keys, layer.values = k, v
 
 
 def _set_linear_state(layer, conv: torch.Tensor, recurrent: torch.Tensor) -> None:

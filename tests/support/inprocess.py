@@ -83,6 +83,12 @@ class InProcessEngine:
         rid = self.submit(prompt, max_tokens, mode, **sampling)
         return self.collect([rid])[rid]
 
+    def generate_all(self, prompts: list[list[int]], max_tokens: int, mode: str = "sync", **sampling) -> list[dict]:
+        """Every prompt submitted at once (served together); the results in prompt order."""
+        ids = [self.submit(prompt, max_tokens, mode, **sampling) for prompt in prompts]
+        results = self.collect(ids)
+        return [results[rid] for rid in ids]
+
     def close(self) -> None:
         drafter_thread, target_thread = self.threads
         self.send_to_target.send(Shutdown())

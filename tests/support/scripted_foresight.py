@@ -40,15 +40,15 @@ class ScriptedForesight(ForesightDrafter):
         return super().foresee(*args, **kw)
 
     @torch.inference_mode()
-    def _predict_block(self, state, ctx, block):
-        """The real prediction, checked against the target's own logits of the block after the context."""
-        pred, logits, dec_states = super()._predict_block(state, ctx, block)
-        if not self.check_decoder:
-            return pred, logits, dec_states
-        n = len(ctx.tokens) - 1
-        truth = self.target(torch.tensor([ctx.tokens + block])).logits[0, n:].float()  # [gamma+1, vocab]
-        self.decoder_errors.append(float((logits - truth).abs().max()))
-        return pred, logits, dec_states
+    def _predict_blocks(self, states, ctxs, blocks):
+        """The real prediction, each block's decoder logits checked against the target's own after its context."""
+        out = super()._predict_blocks(states, ctxs, blocks)
+        if self.check_decoder:
+            for ctx, block, (_, logits, _) in zip(ctxs, blocks, out):
+                n = len(ctx.tokens) - 1
+                truth = self.target(torch.tensor([ctx.tokens + block])).logits[0, n:].float()  # [gamma+1, vocab]
+                self.decoder_errors.append(float((logits - truth).abs().max()))
+        return out
 
     @torch.inference_mode()
     def scripted(self, tokens: list[int], n: int) -> list[int]:
@@ -70,10 +70,12 @@ class ScriptedForesight(ForesightDrafter):
                 self._absorb(ctx, draft_only=True)  # the contexts stay as the real drafter keeps them
         return [Draft(self.scripted(ctx.tokens, m)) if m > 0 else Draft() for ctx, m in zip(ctxs, max_drafts)]
 
-    def predraft(self, ctx, state, block, picked, states, max_drafts, plan, mode, stop=None) -> Refiner:
-        drafts = torch.tensor([self.scripted(ctx.tokens + block[:o.k] + [o.a], max_drafts) for o in picked])
-        return Refiner(self.bound_rows(state, len(ctx.tokens) - 1), ctx.tokens[-1], block,
-                       [(o.k, o.a) for o in picked], drafts, "none")
+    def _predraft_many(self, parts, stop=None) -> list[Refiner]:
+        """Scripted drafts for every request's picked outcomes, no refinement."""
+        return [Refiner(self.bound_rows(p.state, p.n), p.ctx.tokens[-1], p.block, [(o.k, o.a) for o in p.picked],
+                        torch.tensor([self.scripted(p.ctx.tokens + p.block[:o.k] + [o.a], p.max_drafts)
+                                      for o in p.picked]), "none")
+                for p in parts]
 
     def release(self, req_id: str) -> None:
         state = self.requests.get(req_id)

@@ -161,13 +161,12 @@ def test_a_failed_batched_forward_fails_no_request(llama, monkeypatch):
             raise RuntimeError("injected")
 
         monkeypatch.setattr(engine.target.runner, "verify_batch", broken)
-        ids = [engine.submit(p, 20, mode="ngram", temperature=0.0) for p in PROMPTS]
-        results = engine.collect(ids)
+        results = engine.generate_all(PROMPTS, 20, mode="ngram", temperature=0.0)
     finally:
         engine.close()
-    for rid, prompt in zip(ids, PROMPTS):
-        assert results[rid]["error"] is None
-        assert results[rid]["tokens"] == plain_greedy(llama, prompt, 20, eos=llama.config.eos_token_id)
+    for result, prompt in zip(results, PROMPTS):
+        assert result["error"] is None
+        assert result["tokens"] == plain_greedy(llama, prompt, 20, eos=llama.config.eos_token_id)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_5"])
