@@ -40,9 +40,10 @@ class RoundDrafts:
 def verify_block(logits: torch.Tensor, draft: list[int], sampling, draws: PositionDraws, position: int) -> Verdict:
     """Apply the request's verification rule to one block (logits [len(draft) + 1, vocab]) whose rows decide
     the tokens at positions position.. (the draws are the request's for those positions)."""
-    uniforms = None if sampling.temperature == 0 else draws.uniforms(position, len(draft) + 1, logits.device)
+    block = None if sampling.temperature == 0 else draws.block(position, len(draft) + 1, logits.shape[-1],
+                                                               logits.device)
     return verify(logits, draft, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                  rule=sampling.verification, theta=sampling.nucleus_threshold, uniforms=uniforms)
+                  rule=sampling.verification, theta=sampling.nucleus_threshold, draws=block)
 
 
 def drafter_seed(seed: int) -> int:

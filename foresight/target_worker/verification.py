@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from foresight.target_worker.sampling import sample, target_probs
+from foresight.target_worker.sampling import BlockDraws, sample, target_probs
 
 __all__ = ["RULES", "Verdict", "nucleus_mask", "in_nucleus", "excess_mass", "verify", "verify_batch"]
 
@@ -127,7 +127,7 @@ def verify_batch(
     generator: torch.Generator | None = None,
     draft_probs: torch.Tensor | None = None,
     gate_probs: torch.Tensor | None = None,
-    uniforms: torch.Tensor | None = None,
+    draws: BlockDraws | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify B blocks that share sampling parameters and a generator; no host sync.
 
@@ -137,8 +137,8 @@ def verify_batch(
     greedy       probs are argmax point masses: commit argmax, draw nothing (draft_probs is then
                  irrelevant: min(1, p/q) and the residual of a point mass p are exact-match rules)
     gate_probs   [B, gamma+1, vocab] distribution the nucleus gate is built on (default: probs)
-    uniforms     [B, gamma+1, 2] float64: the draws to use instead of `generator`'s, per position
-                 ([..., 0] the token drawn there, [..., 1] the acceptance test; `PositionDraws`)
+    draws        the request's position-keyed draws to use instead of `generator`'s (`PositionDraws`):
+                 exponentials [B, gamma+1, vocab], uniforms [B, gamma+1]
     returns      accepted k [B], token a [B], nucleus_extra [B]   (int64)
     """
     _check_rule(rule, theta)
@@ -149,24 +149,23 @@ def verify_batch(
 
     if greedy or draft_probs is None:
         # Point mass q_i = delta(d_i): v_i ~ p_i, accept iff v_i == d_i, else commit v_i.
-        v = probs.argmax(-1) if greedy else sample(probs, generator, _stream(uniforms, 0))  # [B, gamma+1]
+        v = probs.argmax(-1) if greedy else sample(probs, generator, _exponentials(draws))  # [B, gamma+1]
         exact_ok = v[:, :gamma] == drafts  # [B, gamma]
         committed = v  # [B, gamma+1]  token committed if verification stops at this position
     else:
         # Speculative sampling: accept iff u_i * q_i(d_i) < p_i(d_i)  (prob min(1, p/q)).
         q = draft_probs.to(device=probs.device, dtype=torch.float32).expand(n_batch, gamma, -1)  # [B, gamma, vocab]
         q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)  # [B, gamma]
-        u = _stream(uniforms, 1)
-        if u is None:
+        if draws is None:
             u = torch.rand(p_draft.shape, generator=generator, device=probs.device)  # [B, gamma]
         else:
-            u = u[:, :gamma].to(probs.device)
+            u = draws.uniforms[:, :gamma].to(probs.device)
         exact_ok = u * q_draft < p_draft  # [B, gamma]
         residual = torch.clamp(probs[:, :gamma] - q, min=0.0)  # [B, gamma, vocab]  max(p - q, 0)
         # R_i = 0 means p_i == q_i and rejection has probability 0; keep the row samplable.
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs[:, :gamma])
         stop_law = torch.cat([residual, probs[:, gamma:]], dim=1)  # [B, gamma+1, vocab]
-        committed = sample(stop_law, generator, _stream(uniforms, 0))  # [B, gamma+1]  residual draws, then the bonus
+        committed = sample(stop_law, generator, _exponentials(draws))  # [B, gamma+1]  residual draws, then the bonus
 
     if rule == "nucleus":
         gate_on = probs if gate_probs is None else gate_probs
@@ -182,9 +181,8 @@ def verify_batch(
     return accepted, token, nucleus_extra
 
 
-def _stream(uniforms: torch.Tensor | None, stream: int) -> torch.Tensor | None:
-    """[B, gamma+1] draws of one stream of `uniforms` [B, gamma+1, 2] (None: none given)."""
-    return None if uniforms is None else uniforms[..., stream]
+def _exponentials(draws: BlockDraws | None) -> torch.Tensor | None:
+    return None if draws is None else draws.exponentials
 
 
 def verify(
@@ -198,7 +196,7 @@ def verify(
     theta: float = 0.95,
     generator: torch.Generator | None = None,
     draft_probs: torch.Tensor | None = None,
-    uniforms: torch.Tensor | None = None,
+    draws: BlockDraws | None = None,
 ) -> Verdict:
     """Verify one block of one request.
 
@@ -206,7 +204,8 @@ def verify(
     draft        gamma tokens (list or LongTensor; gamma may be 0)
     draft_probs  [gamma, vocab] proposal laws q_i, or None for point-mass (argmax) drafts
     generator    the request's own generator (on logits.device); fixed seed -> same verdicts
-    uniforms     [gamma+1, 2] the request's draws for these positions instead (`PositionDraws`)
+    draws        the request's draws for these positions instead (`PositionDraws.block`: [gamma+1, vocab],
+                 [gamma+1])
     """
     _check_rule(rule, theta)
     draft = torch.as_tensor(draft, dtype=torch.long, device=logits.device).reshape(-1)  # [gamma]
@@ -229,7 +228,7 @@ def verify(
         generator=generator,
         draft_probs=None if draft_probs is None else draft_probs[None],
         gate_probs=gate_probs,
-        uniforms=None if uniforms is None else uniforms[None],
+        draws=None if draws is None else BlockDraws(draws.exponentials[None], draws.uniforms[None]),
     )
     k, a, e = torch.stack([accepted, token, extra], dim=-1)[0].tolist()  # one host sync
     return Verdict(accepted=k, token=a, nucleus_extra=e)

@@ -194,3 +194,31 @@ def test_a_vanishing_top_p_keeps_the_top_token(top_p):
     probs = target_probs(logits, 1.0, 0, top_p)
     assert torch.isfinite(probs).all()
     assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and torch.allclose(probs.max(-1).values, torch.ones(2))
+
+
+def test_position_draws_depend_on_seed_and_position_only():
+    """However positions are grouped into blocks, each gets the same draws: a seeded request's text cannot
+    depend on its draft lengths."""
+    from foresight.target_worker.sampling import PositionDraws
+
+    draws = PositionDraws(7)
+    whole = draws.block(10, 6, 50)
+    assert whole.exponentials.shape == (6, 50) and whole.uniforms.shape == (6,)
+    for k in range(6):
+        part = draws.block(10 + k, 1, 50)
+        assert torch.equal(part.exponentials[0], whole.exponentials[k]) and part.uniforms[0] == whole.uniforms[k]
+    assert not torch.equal(PositionDraws(8).block(10, 6, 50).exponentials, whole.exponentials)
+    assert (whole.exponentials > 0).all() and ((whole.uniforms >= 0) & (whole.uniforms < 1)).all()
+
+
+def test_the_exponential_race_samples_the_distribution():
+    """argmax p(x) / E_x over position-keyed Exp(1) draws has law p (each count within 5 standard errors),
+    and never draws a zero-probability token."""
+    from foresight.target_worker.sampling import PositionDraws
+
+    n, p = 20000, torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    tokens = sample(p.expand(n, -1), exponentials=PositionDraws(3).exponentials(0, n, len(p)))
+    counts = torch.bincount(tokens, minlength=len(p)).double()
+    sd = (n * p * (1 - p)).double().sqrt()
+    assert ((counts - n * p).abs() <= 5 * sd).all(), counts
+    assert counts[-1] == 0
