@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -288,6 +289,19 @@ async def one_request(client, base: str, path: str, body: dict, headers: dict) -
     return result
 
 
+_STRATEGY_ROUNDS = re.compile(r'^foresight_strategy_rounds_total\{[^}]*strategy="([^"]+)"[^}]*\}\s+([0-9.eE+-]+)$',
+                              re.MULTILINE)
+
+
+async def strategy_rounds(client, base: str) -> dict[str, float]:
+    """Rounds run so far per strategy, from the server's /metrics (what auto and the load policy chose)."""
+    text = (await client.get(f"{base}/metrics", timeout=10)).text
+    out: dict[str, float] = {}
+    for strategy, value in _STRATEGY_ROUNDS.findall(text):
+        out[strategy] = out.get(strategy, 0.0) + float(value)
+    return out
+
+
 async def run_level(client, base: str, items: list[dict], level: int, n_requests: int,
                     args: argparse.Namespace, headers: dict) -> tuple[list[RequestResult], float]:
     """`level` clients take requests 0..n_requests-1 (prompt i % len(items)) from one shared counter."""
@@ -342,14 +356,18 @@ async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
                 if warm.status != "ok":
                     print(f"[load] {mode}: the warm-up request failed: {warm.error}", flush=True)
                 for level in levels:
+                    before = await strategy_rounds(client, base)
                     results, wall_s = await run_level(client, base, items, level, n_per_level[level], args, headers)
                     fields = summarise_level(results, wall_s)
+                    after = await strategy_rounds(client, base)
+                    fields["strategy_rounds"] = {s: int(n - before.get(s, 0.0)) for s, n in sorted(after.items())
+                                                 if n > before.get(s, 0.0)}
                     section[str(level)][mode] = fields
                     tps = fields["tokens_per_s"]
                     print(f"[load] {mode} @ {level}: {fields['ok']}/{fields['requests']} ok, "
                           f"{fields['rejected']} rejected, {fields['errors']} errors, "
                           f"{tps or 0:.1f} tok/s, TTFT p50 {fields['ttft_ms_p50']} ms, "
-                          f"ITL p50 {fields['itl_ms_p50']} ms", flush=True)
+                          f"ITL p50 {fields['itl_ms_p50']} ms, rounds {fields['strategy_rounds']}", flush=True)
     return {
         "model": str(cfg.target or "SmolLM2-135M-Instruct (embedded default)"),
         "drafter": cfg.drafter,
