@@ -13,7 +13,8 @@ from support.suite_dtype import suite_dtype
 pytestmark = pytest.mark.integration
 
 LEVEL_FIELDS = {"requests", "ok", "rejected", "errors", "output_tokens", "wall_s", "tokens_per_s", "ttft_ms_p50",
-                "ttft_ms_p90", "itl_ms_p50", "itl_ms_p90", "tpot_ms_p50", "latency_ms_p50", "error_examples"}
+                "ttft_ms_p90", "itl_ms_p50", "itl_ms_p90", "tpot_ms_p50", "latency_ms_p50", "error_examples",
+                "strategy_rounds"}
 
 
 def test_load_bench_report(tmp_path):
@@ -43,6 +44,7 @@ def test_load_bench_report(tmp_path):
         assert fields["ok"] == fields["requests"], fields["error_examples"]
         assert fields["rejected"] == 0 and fields["errors"] == 0
         assert fields["output_tokens"] > 0 and fields["tokens_per_s"] > 0
+        assert set(fields["strategy_rounds"]) == {"ar"} and fields["strategy_rounds"]["ar"] > 0  # from /metrics
         for key in ("ttft_ms_p50", "ttft_ms_p90", "itl_ms_p50", "itl_ms_p90", "tpot_ms_p50"):
             assert fields[key] is not None and fields[key] >= 0, key
         assert fields["ttft_ms_p50"] <= fields["ttft_ms_p90"] and fields["itl_ms_p50"] <= fields["itl_ms_p90"]
