@@ -22,6 +22,7 @@ The model is random (weights do not change these costs) and built from a config,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -166,15 +167,10 @@ def measure(model, rounds: int = 48, gamma: int = 7, decoder_layers: int = 2, pr
     for path in ("frame", "shm"):
         transport = TensorTransport(inline_max=0, large=path)
         with_s = statistics.median(_transport_s(o, transport) for o in outcomes)
-        without_s = statistics.median(_transport_s(_without_snapshot(o), transport) for o in outcomes)
+        without_s = statistics.median(_transport_s(dataclasses.replace(o, linear_states=None), transport) for o in outcomes)
         report[f"transport_{path}"] = {"outcome_with_snapshot_ms_p50": round(1e3 * with_s, 3),
                                        "outcome_without_snapshot_ms_p50": round(1e3 * without_s, 3)}
     return report
-
-
-def _without_snapshot(outcome: Outcome) -> Outcome:
-    return Outcome(req_id=outcome.req_id, round=outcome.round, accepted=outcome.accepted, bonus=outcome.bonus,
-                   max_drafts=outcome.max_drafts, hidden=outcome.hidden)
 
 
 def main(argv: list[str] | None = None) -> int:

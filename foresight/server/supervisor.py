@@ -162,7 +162,8 @@ class Supervisor:
     async def _start_drafter_alone(self) -> None:
         """A new drafter beside the running target; it must want what the target was started with."""
         drafter = await self._spawn("drafter", (self.cfg.to_dict(), self.addrs.to_dict()))
-        wanted = {k: self._pair_drafter.get(k) for k in ("hidden_layers", "state_layers", "strategies", "auto_strategies")}
+        keys = ("hidden_layers", "state_layers", "strategies", "auto_strategies")
+        wanted = {k: self._pair_drafter.get(k) for k in keys}
         if {k: drafter.info.get(k) for k in wanted} != wanted:
             await self._kill(self.workers["drafter"])
             raise WorkerStartError(f"the restarted drafter differs from the one the target was started with "

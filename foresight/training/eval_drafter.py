@@ -84,7 +84,8 @@ def _round_loop(runner: TargetRunner, proposer, ctx: DraftContext, cache, gen: t
         ctx.last_block = block
         hidden = result.hidden[:verdict.accepted + 1] if result.hidden is not None else None
         # Cached now: the committed tokens before the new anchor (a hybrid target's snapshot covers them).
-        ctx.absorb(verdict.accepted, verdict.token, hidden, runner.linear_states(cache, len(ctx.tokens) + verdict.accepted))
+        snapshot = runner.linear_states(cache, len(ctx.tokens) + verdict.accepted)
+        ctx.absorb(verdict.accepted, verdict.token, hidden, snapshot)
         accepted.append(verdict.accepted)
         for tok in draft[:verdict.accepted] + [verdict.token]:
             out.append(tok)

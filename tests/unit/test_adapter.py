@@ -135,11 +135,17 @@ def test_initialisation_is_exact_on_true_inputs(arch, seq):
     assert (served[0] - truth).abs().max() > 1e-4
 
 
-def test_save_load_round_trip(target, seq, tmp_path):
+def trained_adapter(target) -> Adapter:
+    """An adapter whose weights moved off the target's ("trained") and are fp16-representable."""
     ad = Adapter.from_target(target, INDICES, layers_per_stage=2)
     with torch.no_grad():
         for p in ad.parameters():
-            p.add_(0.01 * torch.randn_like(p)).copy_(p.half().float())  # "trained", and fp16-representable
+            p.add_(0.01 * torch.randn_like(p)).copy_(p.half().float())
+    return ad
+
+
+def test_save_load_round_trip(target, seq, tmp_path):
+    ad = trained_adapter(target)
     ad.save(tmp_path / "ad")
     assert is_adapter_checkpoint(tmp_path / "ad")
     cfg = json.loads((tmp_path / "ad" / "config.json").read_text())
@@ -337,10 +343,7 @@ def _same_states(a, b) -> bool:
 
 
 def test_hybrid_save_load_round_trip(hybrid, seq, tmp_path):
-    ad = Adapter.from_target(hybrid, INDICES, layers_per_stage=2)
-    with torch.no_grad():
-        for p in ad.parameters():
-            p.add_(0.01 * torch.randn_like(p)).copy_(p.half().float())  # "trained", and fp16-representable
+    ad = trained_adapter(hybrid)
     ad.save(tmp_path / "ad")
     back = Adapter.load(tmp_path / "ad", hybrid)
     assert isinstance(back.stages[0][1], LinearAdapterLayer) and back.config.stage_layers == [[0, 1], [2, 3]]
