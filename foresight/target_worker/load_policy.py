@@ -6,23 +6,27 @@ runs without the core it would borrow; and the batch splits into groups that wai
 different times. Alone, a request pays for all of this itself and its measure is right; in a batch it is
 blind to it, and every request can prefer the drafter while all would be faster without it.
 
-So under load the worker compares two policies on what they are for, the target's committed tokens per
+So under load the worker compares three policies on what they are for, the target's committed tokens per
 second of wall time, all requests together:
-    "draft"  each request runs its own strategy (mode auto's choice, or its fixed mode);
-    "local"  rounds the target runs alone: auto requests take the target's prompt lookup, requests of a
-             fixed drafting mode take plain steps (speculation off: vLLM's `disable_by_batch_size`,
-             decided from measurements instead of a threshold set by hand).
+    "draft"   each request runs its own strategy (mode auto's choice, or its fixed mode);
+    "lookup"  rounds the target runs alone: requests of mode auto or ngram take the target's prompt lookup,
+              requests of a drafting mode take plain steps (speculation off: vLLM's `disable_by_batch_size`,
+              decided from measurements instead of a threshold set by hand);
+    "plain"   plain steps for every request: once the batch is large enough that every extra position in a
+              forward costs nearly its share, even prompt lookup's blocks cost more than they commit.
 Throughput is measured over windows of WINDOW_STEPS steps, separately per load bucket (the number of
-running requests smoothed over steps: about 2, 4 and 8 or more). "local" runs unless "draft" measured
-DRAFT_MARGIN better; the other is tried
-for a window now and then (more rarely the worse it measured), so a change of load or workload is noticed.
+running requests smoothed over steps: about 2, 4 and 8 or more). The better of "lookup" and "plain" runs
+unless "draft" measured DRAFT_MARGIN better; every other policy is tried for a window now and then (more
+rarely the worse it measured), so a change of load or workload is noticed. Trying a policy that does
+the same as the best for this batch (no request of mode auto or ngram: "lookup" is "plain") costs nothing.
 A load level seen for the first time starts with the policy that won at the nearest level already measured.
 The window after a switch is not measured: rounds of the old policy are still in flight. A lone request
-decides alone (no policy), as does a batch with no request that would draft.
+decides alone (no policy), as does a batch of plain ("ar") requests only.
 """
 from __future__ import annotations
 
-POLICIES = ("draft", "local")
+POLICIES = ("draft", "lookup", "plain")
+TARGET_ALONE = ("lookup", "plain")  # the policies under which no round waits for the drafter
 WINDOW_STEPS = 36  # target steps per measured window (request arrivals and prefills make short ones noisy)
 DECAY = 0.7  # per window of a policy: its figure follows its last few windows
 EXPLORE_WINDOWS = 12.0  # windows between trials of a policy as good as the best (longer for a worse one)
@@ -58,11 +62,16 @@ class LoadPolicy:
 
     @property
     def local(self) -> bool:
-        return self.current == "local"
+        """Whether rounds run on the target alone (no round waits for the drafter)."""
+        return self.current in TARGET_ALONE
+
+    def held_strategy(self, mode: str) -> str:
+        """The strategy a round of a request of `mode` runs while the policy holds it to the target alone."""
+        return "ngram" if self.current == "lookup" and mode in ("auto", "ngram") else "ar"
 
     def observe(self, running: int, contested: bool, tokens: int, seconds: float) -> None:
         """One target step (with the idle time before it) committed `tokens` in `seconds` while `running`
-        requests were active; `contested`: some of them would draft (else the policies do not differ)."""
+        requests were active; `contested`: some of them are not plain requests (else the policies do not differ)."""
         if running < 2 or not self._load:  # alone, a request affects no one: at once
             self._load = float(running)
         else:
@@ -100,38 +109,53 @@ class LoadPolicy:
         return tokens / seconds if seconds > 0 else None
 
     def _best(self, bucket: int) -> str:
-        """The policy with the better figure at this load; unmeasured here, the better one at the nearest
-        load measured (a new load level starts from what the last one learnt), else "draft"."""
-        rates = {p: self.rate(bucket, p) for p in POLICIES}
-        if all(r is not None for r in rates.values()):
-            return "draft" if rates["draft"] > DRAFT_MARGIN * rates["local"] else "local"
-        nearest = self._nearest_known(bucket)
-        if nearest is not None:
-            return self._best(nearest)
-        return next((p for p in POLICIES if rates[p] is not None), POLICIES[0])
+        """The policy with the best figure at this load; with one unmeasured here, the best at the nearest
+        load where all were measured (a new load level starts from what the last one learnt), else the best
+        measured here, else "draft"."""
+        rates = {p: r for p in POLICIES if (r := self.rate(bucket, p)) is not None}
+        if len(rates) < len(POLICIES):
+            nearest = self._nearest_known(bucket)
+            if nearest is not None:
+                return self._best(nearest)
+        return winner(rates) if rates else POLICIES[0]
 
     def _nearest_known(self, bucket: int) -> int | None:
-        """The nearest other load level where both policies were measured."""
+        """The nearest other load level where every policy was measured."""
         known = [b for b in self.windows if b != bucket and all(self.rate(b, p) is not None for p in POLICIES)]
         return min(known, key=lambda b: abs(b - bucket)) if known else None
 
     def _next(self, bucket: int) -> str:
+        """The policy of the next window: the best, or another one whose turn to be tried again has come
+        (the longest untried first)."""
         best = self._best(bucket)
         if self.rate(bucket, best) is None:
             return best  # measure it first
-        other = next(p for p in POLICIES if p != best)
-        if self.rate(bucket, other) is None:  # at once, unless another load level already measured both
-            wait = 0.0 if self._nearest_known(bucket) is None else EXPLORE_WINDOWS
-        else:
-            ratio = min(1.0, self.rate(bucket, other) / self.rate(bucket, best))
-            wait = min(MAX_WAIT, EXPLORE_WINDOWS / max(ratio, 1e-3) ** 2)
         now = self.windows.get(bucket, 0)
-        if now - self.tried_at.get((bucket, other), 0) >= wait:
-            return other
-        return best
+        due = [p for p in POLICIES
+               if p != best and now - self.tried_at.get((bucket, p), 0) >= self._wait(bucket, p, best)]
+        return min(due, key=lambda p: self.tried_at.get((bucket, p), 0)) if due else best
+
+    def _wait(self, bucket: int, policy: str, best: str) -> float:
+        """Windows between trials of `policy`: longer the worse it measured against `best`. Unmeasured, at
+        once, unless another load level already measured every policy."""
+        rate = self.rate(bucket, policy)
+        if rate is None:
+            return 0.0 if self._nearest_known(bucket) is None else EXPLORE_WINDOWS
+        ratio = min(1.0, rate / self.rate(bucket, best))
+        return min(MAX_WAIT, EXPLORE_WINDOWS / max(ratio, 1e-3) ** 2)
 
     def _switch(self, policy: str) -> None:
         self.tried_at[(self._bucket, policy)] = self.windows.get(self._bucket, 0)
         if policy != self.current:
             self.current = policy
             self._settling = True
+
+
+def winner(rates: dict[str, float]) -> str:
+    """The policy to run from measured figures: the faster way of running the target alone, unless drafting
+    measured DRAFT_MARGIN faster than it."""
+    alone = {p: r for p, r in rates.items() if p in TARGET_ALONE}
+    if not alone:
+        return "draft"
+    best_alone = max(alone, key=alone.get)
+    return "draft" if rates.get("draft", 0.0) > DRAFT_MARGIN * alone[best_alone] else best_alone

@@ -143,7 +143,7 @@ class TargetWorker:
         """Tell the load policy what the step (and the idle time before it) committed."""
         now = time.perf_counter()
         if self.policy is not None:
-            contested = any(s.drafting and s.mode not in LOCAL_STRATEGIES for s in self.requests.values())
+            contested = any(s.mode != "ar" for s in self.requests.values())  # else every policy is plain steps
             self.policy.observe(len(self.requests), contested, self.step_tokens, now - self.step_ended)
         self.step_tokens, self.step_ended = 0, now
 
@@ -431,8 +431,8 @@ class TargetWorker:
         if state.choice is not None and committed is not None and ran_own:
             self.chooser.observe(state.choice, committed, state.round_cost_s)
             self.chooser.advance(state.choice)
-        if state.held_local:  # under load the target does better alone: lookup for auto, else plain steps
-            return "ngram" if state.mode == "auto" else "ar"
+        if state.held_local:  # under load the target does better alone (load_policy.py)
+            return self.policy.held_strategy(state.mode)
         return state.choice.current if state.choice is not None else state.mode
 
     def apply_stops(self, state: RequestState, tokens: list[int]) -> tuple[list[int], str | None]:

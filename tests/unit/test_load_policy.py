@@ -7,7 +7,7 @@ import torch
 
 from foresight.config import EngineConfig
 from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
-from foresight.target_worker.load_policy import WINDOW_STEPS, LoadPolicy, load_bucket
+from foresight.target_worker.load_policy import POLICIES, WINDOW_STEPS, LoadPolicy, load_bucket, winner
 from support.inprocess import InProcessEngine
 from support.tiny_models import plain_greedy, tiny_model
 from test_foresight import make_draft_model
@@ -17,29 +17,48 @@ torch.set_num_threads(1)
 
 def run(policy: LoadPolicy, windows: int, tokens_per_s: dict[str, float], running: int = 8) -> dict[str, int]:
     """Feed `windows` windows of steps at the scripted throughput of each policy; count windows per policy."""
-    counts = {"draft": 0, "local": 0}
+    counts = dict.fromkeys(POLICIES, 0)
     for _ in range(windows * WINDOW_STEPS):
         counts[policy.current] += 1
         policy.observe(running, True, round(tokens_per_s[policy.current] * 0.1), 0.1)
     return {p: n // WINDOW_STEPS for p, n in counts.items()}
 
 
-def test_the_faster_policy_runs_and_the_other_is_still_tried():
+def test_the_fastest_policy_runs_and_the_others_are_still_tried():
     policy = LoadPolicy()
-    counts = run(policy, 100, {"draft": 50.0, "local": 100.0})
-    assert counts["local"] > 0.85 * 100
-    assert counts["draft"] >= 3  # tried now and then: the workload may change
-    counts = run(policy, 100, {"draft": 150.0, "local": 100.0})  # drafting pays again
-    assert counts["draft"] > 0.7 * 100
+    counts = run(policy, 100, {"draft": 50.0, "lookup": 100.0, "plain": 80.0})
+    assert counts["lookup"] > 0.8 * 100
+    assert counts["draft"] >= 3 and counts["plain"] >= 3  # tried now and then: the workload may change
+    counts = run(policy, 100, {"draft": 50.0, "lookup": 80.0, "plain": 100.0})  # lookup stops paying
+    assert counts["plain"] > 0.7 * 100
+    rates = {"draft": 150.0, "lookup": 80.0, "plain": 100.0}  # drafting pays again: noticed at its next trial
+    run(policy, 60, rates)
+    assert run(policy, 100, rates)["draft"] > 0.8 * 100
+
+
+def test_drafting_must_beat_the_target_alone_by_a_margin():
+    assert winner({"draft": 105.0, "lookup": 100.0, "plain": 90.0}) == "lookup"
+    assert winner({"draft": 115.0, "lookup": 100.0, "plain": 90.0}) == "draft"
+    assert winner({"draft": 50.0, "lookup": 90.0, "plain": 100.0}) == "plain"
+    assert winner({"draft": 50.0}) == "draft"
+
+
+def test_held_rounds_take_lookup_only_where_the_request_allows_it():
+    policy = LoadPolicy()
+    policy.current = "lookup"
+    assert [policy.held_strategy(m) for m in ("auto", "ngram", "sync", "pipelined", "ar")] == \
+        ["ngram", "ngram", "ar", "ar", "ar"]
+    policy.current = "plain"
+    assert {policy.held_strategy(m) for m in ("auto", "ngram", "sync", "pipelined", "ar")} == {"ar"}
 
 
 def test_a_lone_request_or_an_uncontested_batch_always_drafts():
     policy = LoadPolicy()
-    run(policy, 20, {"draft": 10.0, "local": 100.0})
+    run(policy, 20, {"draft": 10.0, "lookup": 100.0, "plain": 100.0})
     assert policy.local
     policy.observe(1, True, 1, 0.1)
     assert not policy.local
-    run(policy, 20, {"draft": 10.0, "local": 100.0})
+    run(policy, 20, {"draft": 10.0, "lookup": 100.0, "plain": 100.0})
     policy.observe(8, False, 1, 0.1)
     assert not policy.local
     assert [load_bucket(n) for n in (1, 2, 2.9, 3.8, 5.9, 7.5, 30)] == [0, 2, 2, 4, 4, 8, 8]
@@ -49,7 +68,7 @@ def test_a_request_that_ends_and_the_next_that_arrives_do_not_restart_the_window
     """Closed-loop clients: the running count dips for a step when a request ends; the policy must still
     measure its windows and settle on the faster policy."""
     policy = LoadPolicy()
-    rates = {"draft": 50.0, "local": 100.0}
+    rates = {"draft": 50.0, "lookup": 100.0, "plain": 100.0}
     local_steps = 0
     for step in range(60 * WINDOW_STEPS):
         running = 3 if step % 15 == 0 else 4  # a request ends every 15 steps, its successor arrives next step
@@ -69,9 +88,9 @@ def test_rounds_held_local_stay_exact_and_drafting_resumes(mode):
         policy = engine.target.policy
         steps = [0]
 
-        def alternate(running, contested, tokens, seconds):  # local for 5 steps, drafting for 5
+        def alternate(running, contested, tokens, seconds):  # 3 steps of each policy in turn
             steps[0] += 1
-            policy.current = "local" if (steps[0] // 5) % 2 else "draft"
+            policy.current = ("draft", "plain", "lookup")[(steps[0] // 3) % 3]
 
         policy.observe = alternate
         prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [11, 12, 13, 11, 12, 13, 11, 12, 13, 40]]
@@ -79,16 +98,16 @@ def test_rounds_held_local_stay_exact_and_drafting_resumes(mode):
         results = engine.collect(ids)
     finally:
         engine.close()
-    held = "ngram" if mode == "auto" else "ar"
+    held = {"ngram", "ar"} if mode == "auto" else {"ar"}  # "lookup" and "plain" windows
     for rid, prompt in zip(ids, prompts):
         assert results[rid]["tokens"] == plain_greedy(model, prompt, 40, eos=model.config.eos_token_id)
         strategies = {r.strategy for r in results[rid]["rounds"]}
-        assert held in strategies and strategies - {held}, strategies
+        assert held <= strategies and strategies - held, strategies
 
 
 def test_a_new_load_level_starts_from_what_the_nearest_one_learnt():
     policy = LoadPolicy()
-    run(policy, 30, {"draft": 50.0, "local": 100.0}, running=4)
-    assert policy.local
-    counts = run(policy, 10, {"draft": 50.0, "local": 100.0}, running=8)
-    assert counts["draft"] == 0  # no window spent drafting at the new level before the usual wait
+    rates = {"draft": 50.0, "lookup": 70.0, "plain": 100.0}
+    assert run(policy, 30, rates, running=4)["plain"] > 0.6 * 30
+    counts = run(policy, 10, rates, running=8)
+    assert counts["draft"] == 0 and counts["lookup"] == 0  # none tried at the new level before the usual wait
