@@ -48,7 +48,8 @@ from typing import Sequence
 
 import torch
 
-from ..config import REFINEMENTS, ConfigError, EngineConfig
+from ..config import ConfigError, EngineConfig
+from ..protocol.kinds import Refinement
 from ..protocol.messages import LinearStates, SamplingParams
 from ..target_worker.sampling import target_probs
 from ..target_worker.verification import in_nucleus
@@ -89,7 +90,7 @@ class ForesightDrafter(BatchedForesight):
 
     def __init__(self, model: DraftModel, adapter, decoder: ForesightDecoder, passes: int | None = None,
                  cache_size: int = 4, foresight_passes: int | None = None, temperature: float | None = None,
-                 refreshes: int | None = None, refinement: str = "anchor", use_budget: bool = True,
+                 refreshes: int | None = None, refinement: Refinement = Refinement.ANCHOR, use_budget: bool = True,
                  calibration: Calibration | None = None):
         """`passes`: Jacobi passes after J0 in sync mode (pipelined misses draft J0 only);
         `foresight_passes`: J at most for pre-drafted blocks (default `passes`); `cache_size`: B at most;
@@ -101,13 +102,14 @@ class ForesightDrafter(BatchedForesight):
             raise ValueError("foresight needs both an adapter and a decoder (use JetSpecProposer without them)")
         if cache_size < 1:
             raise ValueError("cache_size must be >= 1")
-        if refinement not in REFINEMENTS or (refreshes is not None and refreshes < 0):
-            raise ValueError(f"refinement must be one of {REFINEMENTS} and refreshes >= 0")
+        if refreshes is not None and refreshes < 0:
+            raise ValueError("refreshes must be >= 0")
         self.model, self.adapter, self.decoder = model, adapter, decoder
         self.cache_size = cache_size
         self.passes = model.config.default_passes if passes is None else passes
         self.foresight_passes = self.passes if foresight_passes is None else foresight_passes
-        self.refreshes, self.refinement, self.use_budget = refreshes, refinement, use_budget
+        self.refreshes, self.use_budget = refreshes, use_budget
+        self.refinement = Refinement.parse(refinement, "refinement")
         self.temperature = temperature
         self.calibration = calibration
         n_target = decoder.config.num_hidden_layers
@@ -356,11 +358,11 @@ class ForesightDrafter(BatchedForesight):
         """This drafter over the request's true context of n positions, as `Refiner` drafts with it."""
         return _BoundRows(self, state, n)
 
-    def plan(self, budget_s: float, mode: str) -> Plan:
+    def plan(self, budget_s: float, mode: Refinement) -> Plan:
         """This round's B, J, R (Eq. 3, `budget.plan_round`): caps `cache_size`, `foresight_passes` and
         `refreshes` (None: J; mode "none": 0); the caps alone without a budget or with use_budget off."""
         j = self.foresight_passes
-        r = 0 if mode == "none" else j if self.refreshes is None else self.refreshes
+        r = 0 if mode == Refinement.NONE else j if self.refreshes is None else self.refreshes
         return plan_round(self.costs, budget_s if self.use_budget else 0.0, self.cache_size, j, r)
 
 

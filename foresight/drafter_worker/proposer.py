@@ -13,6 +13,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from ..protocol.kinds import Refinement
 from ..protocol.messages import LinearStates, SamplingParams
 from .speculation_cache import CacheEntry
 
@@ -54,7 +55,7 @@ class DraftContext:
     proposer: str = ""  # name of the proposer that drafted `last_block` (its verify-length statistics)
     temperature: float = 1.0  # the request's sampling temperature
     sampling: SamplingParams | None = None  # the request's top-k, top-p and verification rule (foresight scores)
-    refinement: str | None = None  # the request's self-refinement mode (StartDraft); None = the drafter's
+    refinement: Refinement | None = None  # the request's self-refinement (StartDraft); None = the drafter's
     # Hybrid targets: the newest committed linear-attention state the target sent (`state_layers`)
     linear_states: LinearStates | None = None
 

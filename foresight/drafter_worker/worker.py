@@ -28,6 +28,7 @@ import zmq
 
 from ..config import EngineConfig
 from ..protocol.addresses import WorkerAddresses
+from ..protocol.kinds import Strategy
 from ..protocol.messages import DraftBlock, DrafterIdle, Outcome, ReleaseDraft, Shutdown, StartDraft, WorkerReady
 from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
 from ..protocol.sockets import MessageSocket
@@ -122,7 +123,8 @@ class DrafterWorker:
             "proposer": self.proposer.name, "hidden_layers": self.proposer.hidden_layers,
             "state_layers": list(getattr(self.proposer, "state_layers", [])),
             "supports_foresight": self.proposer.supports_foresight,
-            "strategies": ["ar", "ngram"] + sorted(self.strategies), "auto_strategies": auto_strategies(self.strategies),
+            "strategies": [Strategy.AR, Strategy.NGRAM] + sorted(self.strategies),
+            "auto_strategies": auto_strategies(self.strategies),
             "decoder_layers": getattr(getattr(self.proposer, "decoder", None), "n_layers", None),
             "calibration": calibration_source(self.proposer)}))
         with self.heartbeats:
@@ -195,7 +197,7 @@ class DrafterWorker:
         ctx.absorb(msg.accepted, msg.bonus, msg.hidden, msg.linear_states)
         ctx.round = msg.round
         proposer = self.strategies.get(msg.strategy)
-        ctx.pipelined = msg.strategy == "pipelined"
+        ctx.pipelined = msg.strategy == Strategy.PIPELINED
         if proposer is None:  # "ar" or "ngram": the target takes the round alone; our foresight has stopped
             self.send_to_target.send(DrafterIdle(req_id=msg.req_id, round=msg.round))
             return None

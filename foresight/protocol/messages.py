@@ -3,6 +3,9 @@
 One dataclass per message kind. The codec writes the kind first, then the protocol version, then
 the fields; tensors travel beside the msgpack body (see `transport`). Every message about a request
 carries its `req_id`; round-scoped messages also carry `round` so stale ones can be dropped.
+Modes, strategies and refinements travel as their strings and are parsed into their enums (`kinds.py`)
+in `__post_init__`, which decoding runs too: a bad value fails the message's construction with a
+ValueError naming the field (a decoded one: a ProtocolError).
 
 Round numbering: the target's prefill is round 0. `Outcome(round=r)` reports how verification of
 round r-1's block ended (or the prefill, for r=1) and asks for the block of round r;
@@ -15,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
+from .kinds import Mode, Refinement, Strategy
 
 PROTOCOL_VERSION = 5  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle.
 # 4: Outcome.verify_share_s. 5: LinearStates in StartDraft and Outcome
@@ -55,8 +60,12 @@ class GenerateRequest:
     sampling: SamplingParams
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    mode: str | None = None  # one of config.MODES; None = the server's mode (bench sets it)
-    refinement: str | None = None  # pipelined: "none" | "refresh" | "anchor"; None = the server's (bench sets it)
+    mode: Mode | None = None  # None = the server's mode (bench sets it)
+    refinement: Refinement | None = None  # pipelined; None = the server's (bench sets it)
+
+    def __post_init__(self) -> None:
+        self.mode = Mode.parse_optional(self.mode, "mode")
+        self.refinement = Refinement.parse_optional(self.refinement, "refinement")
 
 
 @message
@@ -98,7 +107,10 @@ class RoundStats:
     cache_hit: bool | None  # None when no speculation cache was consulted
     passes: int = 0  # drafter refinement passes used for the block
     refreshes: int = 0  # drafter context refreshes used for the block
-    strategy: str = "ar"  # how the round ran (config.STRATEGIES); in mode auto, what the chooser picked
+    strategy: Strategy = Strategy.AR  # how the round ran; in mode auto, what the chooser picked
+
+    def __post_init__(self) -> None:
+        self.strategy = Strategy.parse(self.strategy, "strategy")
 
 
 @message
@@ -181,12 +193,15 @@ class StartDraft:
     prompt_ids: list[int]
     seed: int  # for the drafter's own noise; derived so it never mirrors the target's draws
     temperature: float = 1.0  # the request's sampling temperature (foresight ranks outcomes for it)
-    refinement: str | None = None  # the request's self-refinement mode (GenerateRequest); None = the drafter's
+    refinement: Refinement | None = None  # the request's self-refinement (GenerateRequest); None = the drafter's
     hidden: torch.Tensor | None = None  # [prompt_len, n_layers * hidden] or None
     # The request's sampling and verification rule: foresight scores outcomes under them (top-k, top-p,
     # exact or nucleus). None: temperature alone, exact verification.
     sampling: SamplingParams | None = None
     linear_states: LinearStates | None = None  # hybrid targets: the state after the prompt (see LinearStates)
+
+    def __post_init__(self) -> None:
+        self.refinement = Refinement.parse_optional(self.refinement, "refinement")
 
 
 @message
@@ -207,14 +222,17 @@ class Outcome:
     # price of the block); None: the block had the forward to itself.
     verify_share_s: float | None = None
     hidden: torch.Tensor | None = None  # [accepted + 1, n_layers * hidden] states of committed positions
-    # How round `round` runs (config.STRATEGIES). The target sends an Outcome only for a round that wants a
-    # block; "ar" / "ngram" rounds (a plain step, prompt lookup by the target) are reported with the next.
-    strategy: str = "sync"
+    # How round `round` runs. The target sends an Outcome only for a round that wants a block; "ar" / "ngram"
+    # rounds (a plain step, prompt lookup by the target) are reported with the next.
+    strategy: Strategy = Strategy.SYNC
     # Set when the drafter did not draft what is reported (rounds of "ar" / "ngram", reported together in the
     # Outcome of the next round that wants a block): the committed tokens before `bonus` (`accepted` of
     # them), and `hidden` holds their states. None: `accepted` counts drafts of the drafter's own last block.
     drafts: list[int] | None = None
     linear_states: LinearStates | None = None  # hybrid targets: the state after the committed positions
+
+    def __post_init__(self) -> None:
+        self.strategy = Strategy.parse(self.strategy, "strategy")
 
 
 @message

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from ..config import EngineConfig
 from ..protocol.addresses import WorkerAddresses
+from ..protocol.kinds import Mode
 from ..protocol.messages import Heartbeat, WorkerReady
 from ..protocol.transport import sweep_shm
 from .faults import HeartbeatMonitor, RestartBudget
@@ -154,7 +155,7 @@ class Supervisor:
                                      list(drafter.info.get("state_layers", []))))
 
     def _check_drafter(self, drafter: WorkerReady) -> None:
-        if self.cfg.mode != "auto" and self.cfg.mode not in drafter.info["strategies"]:
+        if self.cfg.mode != Mode.AUTO and self.cfg.mode not in drafter.info["strategies"]:
             raise WorkerStartError(f"mode {self.cfg.mode} is not offered by the drafter "
                                    f"{drafter.info.get('proposer')!r} (it offers auto, "
                                    f"{', '.join(drafter.info['strategies'])})")

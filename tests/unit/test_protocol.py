@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from foresight.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, ProtocolError, decode, encode, peek_kind
+from foresight.protocol.kinds import Mode, Refinement, Strategy
 from foresight.protocol.messages import (
     AbortRequest,
     DraftBlock,
@@ -155,6 +156,26 @@ def test_unencodable_values_are_rejected():
         encode({"req_id": "x"})
     with pytest.raises(ProtocolError, match="cannot encode"):
         encode(WorkerReady(worker="w", pid=1, info={"x": object()}))
+
+
+def test_kinds_travel_as_strings_and_come_back_as_enums():
+    msg = Outcome(req_id="r1", round=2, accepted=1, bonus=9, max_drafts=4, strategy="pipelined")
+    assert msg.strategy is Strategy.PIPELINED
+    frames = encode(msg)
+    assert msgpack.unpackb(frames[1])[1]["strategy"] == "pipelined"
+    assert decode(frames).strategy is Strategy.PIPELINED
+    req = decode(encode(GenerateRequest(req_id="r", prompt_ids=[1], max_tokens=2, sampling=SamplingParams(),
+                                        mode="auto", refinement="refresh")))
+    assert (req.mode, req.refinement) == (Mode.AUTO, Refinement.REFRESH) and type(req.mode) is Mode
+
+
+def test_a_bad_kind_is_rejected_where_it_enters():
+    with pytest.raises(ValueError, match="mode must be one of ar, sync, pipelined, ngram, hybrid, auto"):
+        GenerateRequest(req_id="r", prompt_ids=[1], max_tokens=2, sampling=SamplingParams(), mode="fast")
+    stats = RoundStats(drafted=0, accepted=0, nucleus_extra=0, verify_s=0.0, exposed_draft_s=None, cache_hit=None)
+    version, fields = msgpack.unpackb(encode(stats)[1])
+    with pytest.raises(ProtocolError, match="strategy must be one of"):
+        decode([b"round_stats", msgpack.packb([version, {**fields, "strategy": "fast"}])])
 
 
 def test_no_pickle_on_the_wire():
