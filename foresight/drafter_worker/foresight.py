@@ -2,10 +2,10 @@
 
 `ForesightDrafter` composes a JetSpec proposer (the draft model), the adapter and the decoder. Per request
 three contexts are built from the target's TRUE states of committed positions: the draft model's projected
-context K/V (kept by the JetSpec proposer), the adapter's context and the decoder's K/V cache (kept here). The target sends the states at
-`hidden_layers`, the sorted union of the indices the three read, concatenated in that order; each
-consumer gets its own columns.
-On a hybrid target the decoder's linear-attention layers (`state_layers`) also continue from the
+context K/V (kept by the JetSpec proposer), the adapter's context and the decoder's K/V cache (kept here). The
+target sends the states at the sorted union of the indices the three read (`layout`, a `HiddenLayout`); each
+consumer takes its own `layout.columns`.
+On a hybrid target the decoder's linear-attention layers (`layout.state_layers`) also continue from the
 target's committed recurrent/conv state, sent with each outcome (`LinearStates`, models/decoder.py).
 
 While the target verifies block [y0, d_1..d_gamma] (anchor y0 at position n = len(tokens)-1):
@@ -50,7 +50,7 @@ import torch
 
 from ..config import ConfigError, EngineConfig
 from ..protocol.kinds import Refinement
-from ..protocol.messages import LinearStates, SamplingParams
+from ..protocol.messages import HiddenLayout, LinearStates, SamplingParams
 from ..target_worker.sampling import target_probs
 from ..target_worker.verification import in_nucleus
 from .budget import Plan, StepCosts, plan_round
@@ -137,19 +137,15 @@ class ForesightDrafter(BatchedForesight):
                 f"{missing} are neither predicted by the adapter ({adapter_idx}) nor passed through by the "
                 f"decoder (indices {decoder.input_index + 1}..{n_target}): the adapter must predict them")
         self.adapter_indices = adapter_idx
-        self.hidden_layers = sorted({*model.config.target_layers, *adapter_idx, decoder.input_index})
-        # Hybrid targets: the decoder's linear-attention layers continue from the target's committed state.
-        self.state_layers = list(decoder.linear_layers)
-
-        def cols(indices: list[int]) -> torch.Tensor:
-            return torch.cat([torch.arange(hidden) + self.hidden_layers.index(i) * hidden for i in indices])
-
-        # Columns of each consumer in the target's message (hidden_layers order).
-        self.jetspec = JetSpecProposer(model, self.passes, columns=cols(list(model.config.target_layers)))
-        self._adapter_cols = cols(adapter_idx)
-        self._decoder_cols = cols([decoder.input_index])
-        # Columns of the decoder's input, and of the draft model's sources, in the adapter's prediction.
-        self._pred_decoder_cols = torch.arange(hidden) + adapter_idx.index(decoder.input_index) * hidden
+        # What the target sends: the union of what the three read; on a hybrid target also the committed state
+        # of the decoder's linear-attention layers, from which they continue.
+        self.layout = HiddenLayout(tuple(sorted({*model.config.target_layers, *adapter_idx, decoder.input_index})),
+                                   hidden, tuple(decoder.linear_layers))
+        self.jetspec = JetSpecProposer(model, self.passes, layout=self.layout)  # takes its columns itself
+        self._adapter_cols = self.layout.columns(adapter_idx)
+        self._decoder_cols = self.layout.columns([decoder.input_index])
+        # Columns of the decoder's input in the adapter's prediction [.., n_adapter * H], laid out alike.
+        self._pred_decoder_cols = HiddenLayout(tuple(adapter_idx), hidden).columns([decoder.input_index])
         # The decoder passes through the indices above its input (final-normed last): see predict_rows.
         self._decoder_keep = tuple(i for i in from_decoder if i != n_target)
         decoder_states = [*self._decoder_keep, n_target]
@@ -184,7 +180,7 @@ class ForesightDrafter(BatchedForesight):
         A pipelined miss drafts with `draft_only` so the target does not wait for the adapter and decoder."""
         state = self.state(ctx)
         state.linear_states = ctx.linear_states
-        states = ctx.pending_hidden()  # [n, len(hidden_layers) * H]
+        states = ctx.pending_hidden()  # [n, layout.width]
         if states is not None:
             self.jetspec.extend(ctx, states)
             state.unscored.append(states)

@@ -15,6 +15,7 @@ import torch
 
 from ..config import ConfigError, EngineConfig
 from ..models.draft_model import ContextKV, DraftModel, SharedWeights, draw_noise, is_checkpoint
+from ..protocol.messages import HiddenLayout
 from .proposer import Draft, DraftContext
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"  # the embedded default target's drafter
@@ -66,13 +67,14 @@ class JetSpecProposer:
     name = "jetspec"
     supports_foresight = False  # foresight needs an adapter and decoder: ForesightDrafter
 
-    def __init__(self, model: DraftModel, passes: int | None = None, columns: torch.Tensor | None = None):
-        """`columns`: the draft model's columns of the target states the worker receives (None: all of
-        them, in `hidden_layers` order)."""
+    def __init__(self, model: DraftModel, passes: int | None = None, layout: HiddenLayout | None = None):
+        """`layout`: the target states the worker receives (None: the draft model's own sources)."""
         self.model = model
-        self.hidden_layers = list(model.config.target_layers)
+        sources = list(model.config.target_layers)  # the draft model's input: their states in this order
+        self.layout = layout or HiddenLayout(tuple(sorted(set(sources))), model.config.target_hidden_size)
+        # The draft model's columns of the states received; None: all of them, already in its order.
+        self.columns = None if list(self.layout.layers) == sources else self.layout.columns(sources)
         self.passes = model.config.default_passes if passes is None else passes
-        self.columns = columns
         self.requests: dict[str, DraftModelState] = {}
 
     @classmethod
@@ -130,14 +132,14 @@ class JetSpecProposer:
 
     def absorb(self, ctx: DraftContext) -> DraftModelState:
         """Take the target states no proposer has absorbed yet (`ctx.hidden`) into the context K/V."""
-        states = ctx.pending_hidden()  # [n, len(hidden_layers) * H_t]
+        states = ctx.pending_hidden()  # [n, layout.width]
         state = self.extend(ctx, states)
         if states is not None:
             ctx.hidden.clear()  # absorbed into the context K/V: the raw states are no longer needed
         return state
 
     def extend(self, ctx: DraftContext, states: torch.Tensor | None) -> DraftModelState:
-        """Extend the request's context K/V by `states` [n, width of the worker's target states]."""
+        """Extend the request's context K/V by `states` [n, layout.width]."""
         state = self.state(ctx)
         if states is not None:
             own = states if self.columns is None else states[:, self.columns]  # [n, n_src * H_t]

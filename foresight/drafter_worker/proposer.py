@@ -14,7 +14,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from ..protocol.kinds import Refinement
-from ..protocol.messages import LinearStates, SamplingParams
+from ..protocol.messages import HiddenLayout, LinearStates, SamplingParams
 from .speculation_cache import CacheEntry
 
 
@@ -45,7 +45,7 @@ class DraftContext:
     req_id: str
     tokens: list[int]
     seed: int
-    # Target-state chunks [positions, n_layers * hidden] not yet absorbed by the proposer. A proposer
+    # Target-state chunks [positions, layout.width] not yet absorbed by the proposer. A proposer
     # that absorbs them into its own context clears the list (see `pending_hidden`), so a long request does
     # not keep every state twice.
     hidden: list[torch.Tensor] = field(default_factory=list)
@@ -56,7 +56,7 @@ class DraftContext:
     temperature: float = 1.0  # the request's sampling temperature
     sampling: SamplingParams | None = None  # the request's top-k, top-p and verification rule (foresight scores)
     refinement: Refinement | None = None  # the request's self-refinement (StartDraft); None = the drafter's
-    # Hybrid targets: the newest committed linear-attention state the target sent (`state_layers`)
+    # Hybrid targets: the newest committed linear-attention state the target sent (`layout.state_layers`)
     linear_states: LinearStates | None = None
 
     def absorb(self, accepted: int, bonus: int, hidden: torch.Tensor | None,
@@ -71,7 +71,7 @@ class DraftContext:
         self.last_block = Draft()
 
     def pending_hidden(self) -> torch.Tensor | None:
-        """The target states not yet absorbed, as one tensor [n, n_layers * hidden] (None: none).
+        """The target states not yet absorbed, as one tensor [n, layout.width] (None: none).
         The proposer calls `hidden.clear()` once it has absorbed them (not before: a failed absorb
         must leave them for the next try)."""
         if not self.hidden:
@@ -83,9 +83,8 @@ class Proposer(Protocol):
     """Drafts up to `max_drafts` tokens to follow `ctx.tokens` (whose last token is the anchor)."""
 
     name: str
-    hidden_layers: list[int]  # target hidden-state indices this proposer needs (empty: none)
+    layout: HiddenLayout  # the target states it reads, and their columns (no layers: none)
     supports_foresight: bool
-    # Optional `state_layers`: linear-attention layers of a hybrid target whose committed state it needs.
 
     def add_request(self, ctx: DraftContext) -> None:
         """A new request whose prompt is `ctx.tokens` (target states in `ctx.hidden`): set up its state."""
@@ -115,6 +114,8 @@ class ForesightProposer(Proposer, Protocol):
 
 class StatelessProposer:
     """A proposer that keeps nothing per request (prompt lookup, scripted test proposers)."""
+
+    layout = HiddenLayout()  # reads no target states
 
     def add_request(self, ctx: DraftContext) -> None:
         pass

@@ -31,7 +31,7 @@ class HybridProposer:
         self.model = model
         self.ngram = ngram
         self.min_match = max(min_match, ngram.n_min)
-        self.hidden_layers = list(model.hidden_layers)
+        self.layout = model.layout
 
     def add_request(self, ctx: DraftContext) -> None:
         pass  # the model's state: see the class docstring

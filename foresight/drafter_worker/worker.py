@@ -119,10 +119,8 @@ class DrafterWorker:
         }
 
     def run(self) -> None:
-        self.send_to_api.send(WorkerReady(worker="drafter", pid=os.getpid(), info={
-            "proposer": self.proposer.name, "hidden_layers": self.proposer.hidden_layers,
-            "state_layers": list(getattr(self.proposer, "state_layers", [])),
-            "supports_foresight": self.proposer.supports_foresight,
+        self.send_to_api.send(WorkerReady(worker="drafter", pid=os.getpid(), layout=self.proposer.layout, info={
+            "proposer": self.proposer.name, "supports_foresight": self.proposer.supports_foresight,
             "strategies": [Strategy.AR, Strategy.NGRAM] + sorted(self.strategies),
             "auto_strategies": auto_strategies(self.strategies),
             "decoder_layers": getattr(getattr(self.proposer, "decoder", None), "n_layers", None),

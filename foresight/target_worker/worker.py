@@ -35,6 +35,7 @@ from ..protocol.messages import (
     DrafterIdle,
     DrafterStatus,
     GenerateRequest,
+    HiddenLayout,
     Outcome,
     ReleaseDraft,
     RequestFailed,
@@ -461,9 +462,9 @@ class TargetWorker:
             self.to_drafter(ReleaseDraft(req_id=req_id))
 
 
-def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], strategies: list[str],
-         auto_strategies: list[str], state_layers: list[int] | None = None) -> None:
-    """Process entry point (spawned by the launcher)."""
+def main(cfg_dict: dict, addrs_dict: dict, layout_dict: dict, strategies: list[str],
+         auto_strategies: list[str]) -> None:
+    """Process entry point (spawned by the launcher). `layout_dict`: the drafter's `HiddenLayout`, as a dict."""
     prepare_worker_process()
     cfg = EngineConfig.from_dict(cfg_dict)
     addrs = WorkerAddresses.from_dict(addrs_dict)
@@ -472,7 +473,7 @@ def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], strategies:
     with worker_lifetime(ctx, addrs, "target"):
         path = resolve_target(cfg.target)
         model = load_target(path, resolve_dtype(cfg.dtype, cfg.target_device), cfg.target_device)
-        runner = TargetRunner(model, hidden_layers, state_layers=state_layers)
+        runner = TargetRunner(model, HiddenLayout(**layout_dict))
         max_len = cfg.max_model_len or model.config.max_position_embeddings
         TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),
                      tuple(auto_strategies), StepThreads.from_config(cfg)).run()

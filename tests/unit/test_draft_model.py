@@ -161,7 +161,7 @@ def test_checkpoint_roundtrip(target, tmp_path):
 def test_proposer_absorbs_rounds_incrementally(target):
     model = make_drafter(target)
     proposer = JetSpecProposer(model, passes=1)
-    assert proposer.hidden_layers == model.config.target_layers
+    assert proposer.layout.layers == tuple(model.config.target_layers) and proposer.columns is None  # all, in order
     states = states_for(model, 12)
     ctx = DraftContext(req_id="r", tokens=list(range(1, 9)), seed=7, hidden=[states[:7]])  # 8 tokens, anchor last
     first = proposer.propose(ctx, 5)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import msgpack
@@ -17,6 +18,7 @@ from foresight.protocol.messages import (
     DrafterStatus,
     GenerateRequest,
     Heartbeat,
+    HiddenLayout,
     LinearStates,
     Outcome,
     ReleaseDraft,
@@ -44,6 +46,9 @@ EXAMPLES = [
                                    cache_hit=False)]),
     RequestFailed(req_id="r2", error="OOM", status=503),
     WorkerReady(worker="target", pid=123, info={"model": "m", "layers": [1, 2], 7: None, "nested": {"a": 1.5}}),
+    WorkerReady(worker="drafter", pid=124, info={"proposer": "jetspec++"},
+                layout=HiddenLayout(layers=(3, 15, 27, 30), hidden_size=576, state_layers=(2,))),
+    HiddenLayout(),
     WorkerDead(worker="drafter", error="RuntimeError", pid=77),
     Heartbeat(worker="target", pid=123, stalled_s=1.5),
     DrafterStatus(up=False, reason="hung: no heartbeat for 10.2 s"),
@@ -82,6 +87,24 @@ def test_round_trip_is_exact(msg):
     out = decode(frames)
     assert type(out) is type(msg)
     assert out == msg
+
+
+def test_hidden_layout_columns_and_checks():
+    layout = HiddenLayout([1, 3, 4], 2, [2])  # lists, as decoded: kept as tuples
+    assert (layout.layers, layout.state_layers, layout.width) == ((1, 3, 4), (2,), 6)
+    hidden = torch.arange(12.0).reshape(2, 6)  # [positions, width]
+    assert layout.columns([4, 1]).tolist() == [4, 5, 0, 1] and layout.columns([]).tolist() == []
+    assert torch.equal(layout.select(hidden, [3]), hidden[:, 2:4])
+    forward = [torch.full((1, 2, 2), float(i)) for i in range(5)]  # hidden_states: [1, positions, hidden] per index
+    assert layout.concat(forward)[0, 0].tolist() == [1, 1, 3, 3, 4, 4]
+    with pytest.raises(ValueError, match="not in the layout"):
+        layout.columns([2])
+    for bad in (dict(layers=[3, 1], hidden_size=2), dict(layers=[1, 1], hidden_size=2),
+                dict(layers=[-1], hidden_size=2), dict(state_layers=[4, 2]), dict(layers=[1])):
+        with pytest.raises(ValueError):
+            HiddenLayout(**bad)
+    with pytest.raises(FrozenInstanceError):
+        layout.hidden_size = 3
 
 
 def test_nested_messages_come_back_as_dataclasses():

@@ -51,7 +51,7 @@ REQUEST_IDS = itertools.count()
 def start(target, sequences, drafter, cls=DraftContext, **kw):
     """A new request after its prompt and one committed token: (ctx, state, block under verification)."""
     seq, p = sequences[0], len(PROMPTS[0])
-    truth = true_states(target, seq, drafter.hidden_layers)
+    truth = true_states(target, seq, drafter.layout.layers)
     ctx = cls(req_id=f"r{next(REQUEST_IDS)}", tokens=seq[:p + 1], seed=3, hidden=[truth[:p]], **kw)
     block = seq[p + 1:p + 1 + GAMMA]
     block[2] = (block[2] + 1) % VOCAB  # verification of this block ends at k = 2
