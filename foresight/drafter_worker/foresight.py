@@ -163,6 +163,12 @@ class ForesightDrafter(BatchedForesight):
         needs; the adapter and decoder take the states when foresight first runs."""
         self._absorb(ctx, draft_only=True)
 
+    def commit(self, ctx: DraftContext) -> None:
+        """Take the round's committed states over (the JetSpec proposer keeps them for the draft model, which
+        hands them on to the adapter and decoder); the models absorb them when they next run (why not now:
+        proposer.py)."""
+        self.jetspec.commit(ctx)
+
     def release(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
         self.jetspec.release(req_id)
@@ -175,16 +181,15 @@ class ForesightDrafter(BatchedForesight):
         return state
 
     def _absorb(self, ctx: DraftContext, draft_only: bool = False) -> _RequestState:
-        """Feed the target states not yet absorbed (ctx.hidden) into the draft model's context and, unless
-        `draft_only`, the adapter's; the decoder takes them in its next pass (`predict`, `_flush_decoder`).
-        A pipelined miss drafts with `draft_only` so the target does not wait for the adapter and decoder."""
+        """Feed the committed target states not yet absorbed (`commit`'s, and ctx.hidden's) into the draft
+        model's context and, unless `draft_only`, the adapter's; the decoder takes them in its next pass
+        (`predict`, `_flush_decoder`). A pipelined miss drafts with `draft_only` so the target does not wait
+        for the adapter and decoder."""
         state = self.state(ctx)
         state.linear_states = ctx.linear_states
-        states = ctx.pending_hidden()  # [n, layout.width]
+        _, states = self.jetspec.absorb_new(ctx)  # [n, layout.width] or None
         if states is not None:
-            self.jetspec.extend(ctx, states)
             state.unscored.append(states)
-            ctx.hidden.clear()
         if not draft_only and state.unscored:
             states, start = torch.cat(state.unscored), state.scored
             with torch.inference_mode():

@@ -61,6 +61,8 @@ class DraftModelState:
     ctx: ContextKV | None = None  # projected context K/V of positions 0..positions-1 (None: none yet)
     positions: int = 0  # context positions absorbed so far
     generator: torch.Generator = field(default_factory=torch.Generator)  # the request's draft noise
+    # Committed target-state chunks [n, layout.width] taken from the context (`commit`), not absorbed yet
+    pending: list[torch.Tensor] = field(default_factory=list)
 
 
 class JetSpecProposer:
@@ -91,6 +93,11 @@ class JetSpecProposer:
     def add_request(self, ctx: DraftContext) -> None:
         """The prompt's target states into the context K/V at once (`DrafterWorker.on_start`)."""
         self.absorb(ctx)
+
+    def commit(self, ctx: DraftContext) -> None:
+        """Take the round's committed states over; the draft model absorbs them when it next drafts (why not
+        now: proposer.py)."""
+        self.take(ctx)
 
     def release(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -130,13 +137,26 @@ class JetSpecProposer:
             drafts[i] = Draft(ids[-1][r, :wanted].tolist(), probs[-1][r, :wanted].tolist())
         return drafts
 
-    def absorb(self, ctx: DraftContext) -> DraftModelState:
-        """Take the target states no proposer has absorbed yet (`ctx.hidden`) into the context K/V."""
-        states = ctx.pending_hidden()  # [n, layout.width]
-        state = self.extend(ctx, states)
-        if states is not None:
-            ctx.hidden.clear()  # absorbed into the context K/V: the raw states are no longer needed
+    def take(self, ctx: DraftContext) -> DraftModelState:
+        """The request's state, holding every committed target state not absorbed yet (`ctx.hidden`'s too)."""
+        state = self.state(ctx)
+        state.pending += ctx.take_hidden()
         return state
+
+    def absorb(self, ctx: DraftContext) -> DraftModelState:
+        """Take the committed target states not absorbed yet into the context K/V."""
+        return self.absorb_new(ctx)[0]
+
+    def absorb_new(self, ctx: DraftContext) -> tuple[DraftModelState, torch.Tensor | None]:
+        """`absorb`, and the states [n, layout.width] it absorbed (None: none). If the draft model fails on
+        them they stay pending, for the next try."""
+        state = self.take(ctx)
+        if not state.pending:
+            return state, None
+        states = torch.cat(state.pending) if len(state.pending) > 1 else state.pending[0]
+        self.extend(ctx, states)
+        state.pending.clear()  # absorbed into the context K/V: the raw states are no longer needed
+        return state, states
 
     def extend(self, ctx: DraftContext, states: torch.Tensor | None) -> DraftModelState:
         """Extend the request's context K/V by `states` [n, layout.width]."""

@@ -21,8 +21,8 @@ from .proposer import Draft, DraftContext, Proposer
 class HybridProposer:
     """Prompt lookup when the context ends in an n-gram of at least `min_match` tokens seen before (what
     follows it is then usually right, and costs nothing to draft), else the draft model. A view over the
-    draft model's proposer: the per-request state is the model's (the worker adds and releases requests
-    on the primary proposer only)."""
+    draft model's proposer: the per-request state is the model's (the worker adds, commits and releases
+    requests on the primary proposer only)."""
 
     name = "hybrid"
     supports_foresight = False
@@ -35,6 +35,9 @@ class HybridProposer:
 
     def add_request(self, ctx: DraftContext) -> None:
         pass  # the model's state: see the class docstring
+
+    def commit(self, ctx: DraftContext) -> None:
+        pass
 
     def release(self, req_id: str) -> None:
         pass

@@ -1,6 +1,7 @@
 """The drafter worker process: keeps each request's draft context and answers outcomes with blocks.
 
-Sync mode: each `Outcome` is absorbed into the request's context and answered with a fresh block.
+Sync mode: each `Outcome` is absorbed into the request's context, committed to the proposer (`commit`: it
+takes the round's target states) and answered with a fresh block.
 Pipelined mode: right after sending a block the drafter queues foresight for it; whenever no message
 is waiting it runs the queued jobs, pre-drafting blocks for the outcomes it expects into the
 speculation cache: every live job in one batch when the proposer can (`foresee_batch`: one adapter,
@@ -175,6 +176,15 @@ class DrafterWorker:
         except Exception:  # the first drafting round absorbs them instead (and reports a failure there)
             log.exception("request %s: absorbing the prompt's target states failed", ctx.req_id)
 
+    def commit(self, ctx: DraftContext) -> None:
+        """The outcome's tokens and states are committed in `ctx`: the primary proposer (which keeps every
+        strategy's state) takes the states over. It runs no model there (proposer.py), so answering the
+        outcome does not wait."""
+        try:
+            self.proposer.commit(ctx)
+        except Exception:  # the states stay in the context; the next draft takes them (and reports a failure)
+            log.exception("request %s: committing the round's target states failed", ctx.req_id)
+
     def on_outcome(self, msg: Outcome) -> None:
         self.handle([msg])
 
@@ -193,6 +203,7 @@ class DrafterWorker:
             price_s = msg.verify_s if msg.verify_share_s is None else msg.verify_share_s
             self.lengths[ctx.proposer].observe(len(block), msg.accepted, price_s, block.confidence)
         ctx.absorb(msg.accepted, msg.bonus, msg.hidden, msg.linear_states)
+        self.commit(ctx)
         ctx.round = msg.round
         proposer = self.strategies.get(msg.strategy)
         ctx.pipelined = msg.strategy == Strategy.PIPELINED
