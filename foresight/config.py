@@ -10,14 +10,10 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-# How one round of a request is run: "ar" a plain step; "sync" the drafter's own proposer (the draft model,
-# or prompt lookup with --drafter ngram) after each outcome; "pipelined" the draft model with foresight;
-# "ngram" prompt lookup; "hybrid" prompt lookup on a long match, else the draft model.
-STRATEGIES = ("ar", "sync", "pipelined", "ngram", "hybrid")
-MODES = STRATEGIES + ("auto",)  # "auto": the strategy with the best measured goodput, chosen every round
+from .protocol.kinds import Mode, Refinement
+
 VERIFICATIONS = ("exact", "nucleus")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-REFINEMENTS = ("none", "refresh", "anchor")  # self-refinement of pre-drafted blocks (pipelined)
 VERIFY_LENGTHS = ("auto", "prefix", "max")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -33,7 +29,7 @@ class EngineConfig:
     target: str | None = None  # local HF folder; None = the embedded default
     drafter: str = "auto"  # "auto" | "ngram" | PATH to a trained drafter folder
     adapter: str = "auto"  # "auto" (<drafter>/adapter if present) | "none" | PATH: foresight for pipelined mode
-    mode: str = "auto"  # one of MODES
+    mode: Mode = Mode.AUTO  # a strategy for every round, or auto (protocol/kinds.py)
     verification: str = "exact"
     nucleus_threshold: float = 0.95
     block_size: int = 8  # anchor + gamma draft tokens verified per round
@@ -61,7 +57,7 @@ class EngineConfig:
     hybrid_min_match: int = 3  # hybrid: prompt lookup drafts on a match of at least this many tokens
     draft_passes: int | None = None  # Jacobi passes after J0 (trained drafters); None = the checkpoint's default
     draft_refreshes: int | None = None  # pipelined: context refreshes per pre-drafted block at most; None = up to J
-    refinement: str = "anchor"  # pipelined: "none" (passes only) | "refresh" | "anchor" (refresh + anchor replacement)
+    refinement: Refinement = Refinement.ANCHOR  # pipelined: self-refinement of pre-drafted blocks
     foresight_budget: bool = True  # pipelined: fit B, J, R into the verify time; False: always the caps (ablations)
     max_model_len: int | None = None  # None = the target's own context length
     # Many requests at once: one target forward verifies every ready request's block ("batched steps";
@@ -73,7 +69,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("mode", self.mode, MODES)
+        self.mode = Mode.parse(self.mode, "mode", ConfigError)
         _check_choice("verification", self.verification, VERIFICATIONS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("verify_length", self.verify_length, VERIFY_LENGTHS)
@@ -95,7 +91,7 @@ class EngineConfig:
             raise ConfigError("draft_passes must be >= 0")
         if self.draft_refreshes is not None and self.draft_refreshes < 0:
             raise ConfigError("draft_refreshes must be >= 0")
-        _check_choice("refinement", self.refinement, REFINEMENTS)
+        self.refinement = Refinement.parse(self.refinement, "refinement", ConfigError)
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError("max_num_batched_tokens must be >= block_size (one verify block per step)")
 
@@ -191,7 +187,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=d.target, help="local Hugging Face causal-LM folder (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--drafter", default=d.drafter, help="auto | ngram | PATH to a trained drafter")
     g.add_argument("--adapter", default=d.adapter, help="auto | none | PATH to a trained adapter (foresight)")
-    g.add_argument("--mode", default=d.mode, choices=MODES,
+    g.add_argument("--mode", default=d.mode, choices=Mode.values(),
                    help="auto (default): every round, the strategy with the best measured goodput among those "
                         "the drafter offers; ar | sync | pipelined | ngram (prompt lookup) | hybrid (prompt lookup "
                         "on a long match, else the draft model): that strategy for every round")
@@ -224,7 +220,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-passes", type=int, default=d.draft_passes, help="trained drafter: Jacobi passes after J0")
     g.add_argument("--draft-refreshes", type=int, default=d.draft_refreshes,
                    help="pipelined: context refreshes per pre-drafted block at most (default: one before each pass)")
-    g.add_argument("--refinement", default=d.refinement, choices=REFINEMENTS,
+    g.add_argument("--refinement", default=d.refinement, choices=Refinement.values(),
                    help="pipelined: self-refinement of pre-drafted blocks (none: Jacobi passes only; "
                         "refresh: + context refresh; anchor: + anchor replacement)")
     g.add_argument("--foresight-budget", default=d.foresight_budget, action=argparse.BooleanOptionalAction,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import MODES, REFINEMENTS, ConfigError, EngineConfig
+from ..config import ConfigError, EngineConfig
+from ..protocol.kinds import Mode, Refinement
 from ..protocol.messages import GenerateRequest
 from ..server.engine_client import EngineClient
 from ..server.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -35,7 +36,7 @@ from .report import write_chart
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("benchmark")
     g.add_argument("--prompts", required=True, help="JSONL file ({'prompt'} or {'messages'} per line), 'humaneval' or 'chat'")
-    g.add_argument("--modes", default="ar,sync", help="comma-separated subset of " + ",".join(MODES))
+    g.add_argument("--modes", default="ar,sync", help="comma-separated subset of " + ",".join(Mode.values()))
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--limit", type=int, default=None)
@@ -165,9 +166,9 @@ class Run:
 def plan_runs(args: argparse.Namespace, cfg: EngineConfig) -> tuple[list[Run], list[Run]]:
     """The mode runs (server verification rule) and the nucleus-comparison runs."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in Mode.values()]
     if bad:
-        raise ConfigError(f"modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+        raise ConfigError(f"modes: unknown mode(s) {bad}; choose from {', '.join(Mode.values())}")
     mode_runs = [Run(m, m, cfg.verification, cfg.nucleus_threshold) for m in modes]
     thetas = [float(t) for t in args.nucleus_thresholds.split(",") if t.strip()]
     if any(not 0 < t <= 1 for t in thetas):
@@ -187,9 +188,10 @@ def plan_runs(args: argparse.Namespace, cfg: EngineConfig) -> tuple[list[Run], l
 def refinement_runs(args: argparse.Namespace, cfg: EngineConfig) -> list[Run]:
     """One pipelined run per --refinement-ablation mode (server verification rule)."""
     values = [v.strip() for v in getattr(args, "refinement_ablation", "").split(",") if v.strip()]
-    bad = [v for v in values if v not in REFINEMENTS]
+    bad = [v for v in values if v not in Refinement.values()]
     if bad:
-        raise ConfigError(f"refinement_ablation: unknown mode(s) {bad}; choose from {', '.join(REFINEMENTS)}")
+        raise ConfigError(f"refinement_ablation: unknown mode(s) {bad}; "
+                          f"choose from {', '.join(Refinement.values())}")
     return [Run(f"pipelined/refinement={v}", "pipelined", cfg.verification, cfg.nucleus_threshold, v)
             for v in dict.fromkeys(values)]
 

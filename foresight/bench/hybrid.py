@@ -33,7 +33,7 @@ import zmq
 
 from ..models.decoder import ForesightDecoder
 from ..protocol.addresses import WorkerAddresses
-from ..protocol.messages import Outcome
+from ..protocol.messages import HiddenLayout, Outcome
 from ..protocol.sockets import MessageSocket
 from ..protocol.transport import TensorTransport
 from ..target_worker.runner import TargetRunner
@@ -117,7 +117,8 @@ def measure(model, rounds: int = 48, gamma: int = 7, decoder_layers: int = 2, pr
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     dec = ForesightDecoder(model, decoder_layers)
-    runner = TargetRunner(model, [dec.input_index], state_layers=dec.linear_layers, logits="model")
+    layout = HiddenLayout((dec.input_index,), model.config.hidden_size, tuple(dec.linear_layers))
+    runner = TargetRunner(model, layout, logits="model")
     cache = runner.new_cache()
     prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
     res = runner.prefill(cache, prompt)

@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import API_KEY_ENV, MODES, ConfigError, EngineConfig, add_engine_args
+from ..config import API_KEY_ENV, ConfigError, EngineConfig, add_engine_args
+from ..protocol.kinds import Mode
 from .prompts import load_prompts
 
 SERVER_MODULE = "foresight.server.cli"
@@ -332,9 +333,9 @@ async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
 
     levels = parse_levels(args.concurrency)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in Mode.values()]
     if bad or not modes:
-        raise ConfigError(f"modes: unknown or no mode(s) {bad}; choose from {', '.join(MODES)}")
+        raise ConfigError(f"modes: unknown or no mode(s) {bad}; choose from {', '.join(Mode.values())}")
     if args.load_requests is not None and args.load_requests < 1:
         raise ConfigError("load_requests must be >= 1")
     items = load_prompts(args.prompts, args.limit)

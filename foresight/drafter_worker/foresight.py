@@ -2,10 +2,10 @@
 
 `ForesightDrafter` composes a JetSpec proposer (the draft model), the adapter and the decoder. Per request
 three contexts are built from the target's TRUE states of committed positions: the draft model's projected
-context K/V (kept by the JetSpec proposer), the adapter's context and the decoder's K/V cache (kept here). The target sends the states at
-`hidden_layers`, the sorted union of the indices the three read, concatenated in that order; each
-consumer gets its own columns.
-On a hybrid target the decoder's linear-attention layers (`state_layers`) also continue from the
+context K/V (kept by the JetSpec proposer), the adapter's context and the decoder's K/V cache (kept here). The
+target sends the states at the sorted union of the indices the three read (`layout`, a `HiddenLayout`); each
+consumer takes its own `layout.columns`.
+On a hybrid target the decoder's linear-attention layers (`layout.state_layers`) also continue from the
 target's committed recurrent/conv state, sent with each outcome (`LinearStates`, models/decoder.py).
 
 While the target verifies block [y0, d_1..d_gamma] (anchor y0 at position n = len(tokens)-1):
@@ -48,8 +48,9 @@ from typing import Sequence
 
 import torch
 
-from ..config import REFINEMENTS, ConfigError, EngineConfig
-from ..protocol.messages import LinearStates, SamplingParams
+from ..config import ConfigError, EngineConfig
+from ..protocol.kinds import Refinement
+from ..protocol.messages import HiddenLayout, LinearStates, SamplingParams
 from ..target_worker.sampling import target_probs
 from ..target_worker.verification import in_nucleus
 from .budget import Plan, StepCosts, plan_round
@@ -89,7 +90,7 @@ class ForesightDrafter(BatchedForesight):
 
     def __init__(self, model: DraftModel, adapter, decoder: ForesightDecoder, passes: int | None = None,
                  cache_size: int = 4, foresight_passes: int | None = None, temperature: float | None = None,
-                 refreshes: int | None = None, refinement: str = "anchor", use_budget: bool = True,
+                 refreshes: int | None = None, refinement: Refinement = Refinement.ANCHOR, use_budget: bool = True,
                  calibration: Calibration | None = None):
         """`passes`: Jacobi passes after J0 in sync mode (pipelined misses draft J0 only);
         `foresight_passes`: J at most for pre-drafted blocks (default `passes`); `cache_size`: B at most;
@@ -101,13 +102,14 @@ class ForesightDrafter(BatchedForesight):
             raise ValueError("foresight needs both an adapter and a decoder (use JetSpecProposer without them)")
         if cache_size < 1:
             raise ValueError("cache_size must be >= 1")
-        if refinement not in REFINEMENTS or (refreshes is not None and refreshes < 0):
-            raise ValueError(f"refinement must be one of {REFINEMENTS} and refreshes >= 0")
+        if refreshes is not None and refreshes < 0:
+            raise ValueError("refreshes must be >= 0")
         self.model, self.adapter, self.decoder = model, adapter, decoder
         self.cache_size = cache_size
         self.passes = model.config.default_passes if passes is None else passes
         self.foresight_passes = self.passes if foresight_passes is None else foresight_passes
-        self.refreshes, self.refinement, self.use_budget = refreshes, refinement, use_budget
+        self.refreshes, self.use_budget = refreshes, use_budget
+        self.refinement = Refinement.parse(refinement, "refinement")
         self.temperature = temperature
         self.calibration = calibration
         n_target = decoder.config.num_hidden_layers
@@ -135,19 +137,15 @@ class ForesightDrafter(BatchedForesight):
                 f"{missing} are neither predicted by the adapter ({adapter_idx}) nor passed through by the "
                 f"decoder (indices {decoder.input_index + 1}..{n_target}): the adapter must predict them")
         self.adapter_indices = adapter_idx
-        self.hidden_layers = sorted({*model.config.target_layers, *adapter_idx, decoder.input_index})
-        # Hybrid targets: the decoder's linear-attention layers continue from the target's committed state.
-        self.state_layers = list(decoder.linear_layers)
-
-        def cols(indices: list[int]) -> torch.Tensor:
-            return torch.cat([torch.arange(hidden) + self.hidden_layers.index(i) * hidden for i in indices])
-
-        # Columns of each consumer in the target's message (hidden_layers order).
-        self.jetspec = JetSpecProposer(model, self.passes, columns=cols(list(model.config.target_layers)))
-        self._adapter_cols = cols(adapter_idx)
-        self._decoder_cols = cols([decoder.input_index])
-        # Columns of the decoder's input, and of the draft model's sources, in the adapter's prediction.
-        self._pred_decoder_cols = torch.arange(hidden) + adapter_idx.index(decoder.input_index) * hidden
+        # What the target sends: the union of what the three read; on a hybrid target also the committed state
+        # of the decoder's linear-attention layers, from which they continue.
+        self.layout = HiddenLayout(tuple(sorted({*model.config.target_layers, *adapter_idx, decoder.input_index})),
+                                   hidden, tuple(decoder.linear_layers))
+        self.jetspec = JetSpecProposer(model, self.passes, layout=self.layout)  # takes its columns itself
+        self._adapter_cols = self.layout.columns(adapter_idx)
+        self._decoder_cols = self.layout.columns([decoder.input_index])
+        # Columns of the decoder's input in the adapter's prediction [.., n_adapter * H], laid out alike.
+        self._pred_decoder_cols = HiddenLayout(tuple(adapter_idx), hidden).columns([decoder.input_index])
         # The decoder passes through the indices above its input (final-normed last): see predict_rows.
         self._decoder_keep = tuple(i for i in from_decoder if i != n_target)
         decoder_states = [*self._decoder_keep, n_target]
@@ -165,6 +163,12 @@ class ForesightDrafter(BatchedForesight):
         needs; the adapter and decoder take the states when foresight first runs."""
         self._absorb(ctx, draft_only=True)
 
+    def commit(self, ctx: DraftContext) -> None:
+        """Take the round's committed states over (the JetSpec proposer keeps them for the draft model, which
+        hands them on to the adapter and decoder); the models absorb them when they next run (why not now:
+        proposer.py)."""
+        self.jetspec.commit(ctx)
+
     def release(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
         self.jetspec.release(req_id)
@@ -177,16 +181,15 @@ class ForesightDrafter(BatchedForesight):
         return state
 
     def _absorb(self, ctx: DraftContext, draft_only: bool = False) -> _RequestState:
-        """Feed the target states not yet absorbed (ctx.hidden) into the draft model's context and, unless
-        `draft_only`, the adapter's; the decoder takes them in its next pass (`predict`, `_flush_decoder`).
-        A pipelined miss drafts with `draft_only` so the target does not wait for the adapter and decoder."""
+        """Feed the committed target states not yet absorbed (`commit`'s, and ctx.hidden's) into the draft
+        model's context and, unless `draft_only`, the adapter's; the decoder takes them in its next pass
+        (`predict`, `_flush_decoder`). A pipelined miss drafts with `draft_only` so the target does not wait
+        for the adapter and decoder."""
         state = self.state(ctx)
         state.linear_states = ctx.linear_states
-        states = ctx.pending_hidden()  # [n, len(hidden_layers) * H]
+        _, states = self.jetspec.absorb_new(ctx)  # [n, layout.width] or None
         if states is not None:
-            self.jetspec.extend(ctx, states)
             state.unscored.append(states)
-            ctx.hidden.clear()
         if not draft_only and state.unscored:
             states, start = torch.cat(state.unscored), state.scored
             with torch.inference_mode():
@@ -356,11 +359,11 @@ class ForesightDrafter(BatchedForesight):
         """This drafter over the request's true context of n positions, as `Refiner` drafts with it."""
         return _BoundRows(self, state, n)
 
-    def plan(self, budget_s: float, mode: str) -> Plan:
+    def plan(self, budget_s: float, mode: Refinement) -> Plan:
         """This round's B, J, R (Eq. 3, `budget.plan_round`): caps `cache_size`, `foresight_passes` and
         `refreshes` (None: J; mode "none": 0); the caps alone without a budget or with use_budget off."""
         j = self.foresight_passes
-        r = 0 if mode == "none" else j if self.refreshes is None else self.refreshes
+        r = 0 if mode == Refinement.NONE else j if self.refreshes is None else self.refreshes
         return plan_round(self.costs, budget_s if self.use_budget else 0.0, self.cache_size, j, r)
 
 

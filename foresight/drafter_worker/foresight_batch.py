@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from ..config import REFINEMENTS
 from ..models.draft_model import draw_noise
+from ..protocol.kinds import Refinement
 from .budget import Plan
 from .outcomes import Outcome
 from .proposer import DraftContext
@@ -86,9 +86,8 @@ class BatchedForesight:
         for i, (ctx, block, wanted, confidence) in enumerate(zip(ctxs, blocks, max_drafts, confidences)):
             if wanted <= 0:
                 continue
-            mode = ctx.refinement or self.refinement  # the request's, else the engine's
-            if mode not in REFINEMENTS:
-                raise ValueError(f"refinement must be one of {', '.join(REFINEMENTS)} (got {mode!r})")
+            # The request's refinement, else the engine's.
+            mode = Refinement.parse(ctx.refinement or self.refinement, "refinement")
             state = self._absorb(ctx)
             if state.draft is not None:
                 parts.append(_Part(i, ctx, state, list(block), wanted, mode, confidence))

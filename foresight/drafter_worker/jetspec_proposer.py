@@ -15,6 +15,7 @@ import torch
 
 from ..config import ConfigError, EngineConfig
 from ..models.draft_model import ContextKV, DraftModel, SharedWeights, draw_noise, is_checkpoint
+from ..protocol.messages import HiddenLayout
 from .proposer import Draft, DraftContext
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"  # the embedded default target's drafter
@@ -60,19 +61,22 @@ class DraftModelState:
     ctx: ContextKV | None = None  # projected context K/V of positions 0..positions-1 (None: none yet)
     positions: int = 0  # context positions absorbed so far
     generator: torch.Generator = field(default_factory=torch.Generator)  # the request's draft noise
+    # Committed target-state chunks [n, layout.width] taken from the context (`commit`), not absorbed yet
+    pending: list[torch.Tensor] = field(default_factory=list)
 
 
 class JetSpecProposer:
     name = "jetspec"
     supports_foresight = False  # foresight needs an adapter and decoder: ForesightDrafter
 
-    def __init__(self, model: DraftModel, passes: int | None = None, columns: torch.Tensor | None = None):
-        """`columns`: the draft model's columns of the target states the worker receives (None: all of
-        them, in `hidden_layers` order)."""
+    def __init__(self, model: DraftModel, passes: int | None = None, layout: HiddenLayout | None = None):
+        """`layout`: the target states the worker receives (None: the draft model's own sources)."""
         self.model = model
-        self.hidden_layers = list(model.config.target_layers)
+        sources = list(model.config.target_layers)  # the draft model's input: their states in this order
+        self.layout = layout or HiddenLayout(tuple(sorted(set(sources))), model.config.target_hidden_size)
+        # The draft model's columns of the states received; None: all of them, already in its order.
+        self.columns = None if list(self.layout.layers) == sources else self.layout.columns(sources)
         self.passes = model.config.default_passes if passes is None else passes
-        self.columns = columns
         self.requests: dict[str, DraftModelState] = {}
 
     @classmethod
@@ -89,6 +93,11 @@ class JetSpecProposer:
     def add_request(self, ctx: DraftContext) -> None:
         """The prompt's target states into the context K/V at once (`DrafterWorker.on_start`)."""
         self.absorb(ctx)
+
+    def commit(self, ctx: DraftContext) -> None:
+        """Take the round's committed states over; the draft model absorbs them when it next drafts (why not
+        now: proposer.py)."""
+        self.take(ctx)
 
     def release(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -128,16 +137,29 @@ class JetSpecProposer:
             drafts[i] = Draft(ids[-1][r, :wanted].tolist(), probs[-1][r, :wanted].tolist())
         return drafts
 
-    def absorb(self, ctx: DraftContext) -> DraftModelState:
-        """Take the target states no proposer has absorbed yet (`ctx.hidden`) into the context K/V."""
-        states = ctx.pending_hidden()  # [n, len(hidden_layers) * H_t]
-        state = self.extend(ctx, states)
-        if states is not None:
-            ctx.hidden.clear()  # absorbed into the context K/V: the raw states are no longer needed
+    def take(self, ctx: DraftContext) -> DraftModelState:
+        """The request's state, holding every committed target state not absorbed yet (`ctx.hidden`'s too)."""
+        state = self.state(ctx)
+        state.pending += ctx.take_hidden()
         return state
 
+    def absorb(self, ctx: DraftContext) -> DraftModelState:
+        """Take the committed target states not absorbed yet into the context K/V."""
+        return self.absorb_new(ctx)[0]
+
+    def absorb_new(self, ctx: DraftContext) -> tuple[DraftModelState, torch.Tensor | None]:
+        """`absorb`, and the states [n, layout.width] it absorbed (None: none). If the draft model fails on
+        them they stay pending, for the next try."""
+        state = self.take(ctx)
+        if not state.pending:
+            return state, None
+        states = torch.cat(state.pending) if len(state.pending) > 1 else state.pending[0]
+        self.extend(ctx, states)
+        state.pending.clear()  # absorbed into the context K/V: the raw states are no longer needed
+        return state, states
+
     def extend(self, ctx: DraftContext, states: torch.Tensor | None) -> DraftModelState:
-        """Extend the request's context K/V by `states` [n, width of the worker's target states]."""
+        """Extend the request's context K/V by `states` [n, layout.width]."""
         state = self.state(ctx)
         if states is not None:
             own = states if self.columns is None else states[:, self.columns]  # [n, n_src * H_t]

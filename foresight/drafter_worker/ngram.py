@@ -9,7 +9,6 @@ from .proposer import Draft, DraftContext, StatelessProposer
 
 class NgramProposer(StatelessProposer):
     name = "ngram"
-    hidden_layers: list[int] = []
     supports_foresight = False
 
     def __init__(self, n_max: int = 4, n_min: int = 1):

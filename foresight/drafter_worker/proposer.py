@@ -2,9 +2,17 @@
 
 A proposer owns its per-request state (a draft model's context K/V, a foresight drafter's adapter and
 decoder caches): `add_request` when the target starts a request (its prompt's target states are in the
-context), `propose` after each outcome, `foresee` while the target verifies (pipelined), `release` when the
+context), `commit` after each outcome (the round's tokens and target states are committed in the context),
+`propose` when a round wants a block, `foresee` while the target verifies (pipelined), `release` when the
 request ends. `DraftContext` is the round's bookkeeping the worker keeps and every strategy of the request
-reads: committed tokens, target states no proposer has absorbed yet, the block in flight.
+reads: committed tokens, target states the proposer has not taken yet, the block in flight.
+
+A proposer takes the committed target states out of the context in `commit`, but runs its models over them
+only when it next drafts (`propose`, `foresee`): `commit` runs before the worker answers the outcome, and a
+forward there would delay a pre-drafted block the target waits for (a pipelined cache hit), or run beside a
+target step that borrowed the drafter's threads (an outcome that opens an "ar" or "ngram" round), while a
+round that wants a fresh block absorbs them first thing anyway. States `commit` could not take stay in the
+context, and the next draft takes them.
 """
 from __future__ import annotations
 
@@ -13,7 +21,8 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..protocol.messages import LinearStates, SamplingParams
+from ..protocol.kinds import Refinement
+from ..protocol.messages import HiddenLayout, LinearStates, SamplingParams
 from .speculation_cache import CacheEntry
 
 
@@ -44,9 +53,9 @@ class DraftContext:
     req_id: str
     tokens: list[int]
     seed: int
-    # Target-state chunks [positions, n_layers * hidden] not yet absorbed by the proposer. A proposer
-    # that absorbs them into its own context clears the list (see `pending_hidden`), so a long request does
-    # not keep every state twice.
+    # Committed target-state chunks [positions, layout.width], oldest first, that the proposer has not taken
+    # yet (`take_hidden`: in `commit`, else when it next drafts), so a long request does not keep every state
+    # twice.
     hidden: list[torch.Tensor] = field(default_factory=list)
     last_block: Draft = field(default_factory=Draft)  # the block sent for the round being verified
     round: int = 0
@@ -54,8 +63,8 @@ class DraftContext:
     proposer: str = ""  # name of the proposer that drafted `last_block` (its verify-length statistics)
     temperature: float = 1.0  # the request's sampling temperature
     sampling: SamplingParams | None = None  # the request's top-k, top-p and verification rule (foresight scores)
-    refinement: str | None = None  # the request's self-refinement mode (StartDraft); None = the drafter's
-    # Hybrid targets: the newest committed linear-attention state the target sent (`state_layers`)
+    refinement: Refinement | None = None  # the request's self-refinement (StartDraft); None = the drafter's
+    # Hybrid targets: the newest committed linear-attention state the target sent (`layout.state_layers`)
     linear_states: LinearStates | None = None
 
     def absorb(self, accepted: int, bonus: int, hidden: torch.Tensor | None,
@@ -69,28 +78,33 @@ class DraftContext:
             self.linear_states = linear_states
         self.last_block = Draft()
 
-    def pending_hidden(self) -> torch.Tensor | None:
-        """The target states not yet absorbed, as one tensor [n, n_layers * hidden] (None: none).
-        The proposer calls `hidden.clear()` once it has absorbed them (not before: a failed absorb
-        must leave them for the next try)."""
-        if not self.hidden:
-            return None
-        return torch.cat(self.hidden) if len(self.hidden) > 1 else self.hidden[0]
+    def take_hidden(self) -> list[torch.Tensor]:
+        """The target-state chunks not taken yet, oldest first; the proposer keeps them from now on (it must
+        keep them until its models have absorbed them: a failed absorb retries with them)."""
+        chunks, self.hidden = self.hidden, []
+        return chunks
 
 
 class Proposer(Protocol):
     """Drafts up to `max_drafts` tokens to follow `ctx.tokens` (whose last token is the anchor)."""
 
     name: str
-    hidden_layers: list[int]  # target hidden-state indices this proposer needs (empty: none)
+    layout: HiddenLayout  # the target states it reads, and their columns (no layers: none)
     supports_foresight: bool
-    # Optional `state_layers`: linear-attention layers of a hybrid target whose committed state it needs.
 
     def add_request(self, ctx: DraftContext) -> None:
         """A new request whose prompt is `ctx.tokens` (target states in `ctx.hidden`): set up its state."""
         ...
 
-    def propose(self, ctx: DraftContext, max_drafts: int) -> Draft: ...
+    def commit(self, ctx: DraftContext) -> None:
+        """An outcome committed tokens (`ctx.tokens`) and their target states (`ctx.hidden`, `ctx.linear_states`):
+        take the states over, without model work (see the module docstring)."""
+        ...
+
+    def propose(self, ctx: DraftContext, max_drafts: int) -> Draft:
+        """A block after `ctx.tokens`; first absorbs the committed states not absorbed yet, `ctx.hidden`'s too
+        (a `commit` that failed or was not called)."""
+        ...
 
     def release(self, req_id: str) -> None:
         """The request ended: drop its state."""
@@ -115,7 +129,12 @@ class ForesightProposer(Proposer, Protocol):
 class StatelessProposer:
     """A proposer that keeps nothing per request (prompt lookup, scripted test proposers)."""
 
+    layout = HiddenLayout()  # reads no target states
+
     def add_request(self, ctx: DraftContext) -> None:
+        pass
+
+    def commit(self, ctx: DraftContext) -> None:
         pass
 
     def release(self, req_id: str) -> None:

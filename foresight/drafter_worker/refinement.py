@@ -24,8 +24,8 @@ from typing import Callable, Protocol
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ..config import REFINEMENTS
 from ..models.draft_model import ContextKV, DraftModel
+from ..protocol.kinds import Refinement
 from .budget import StepCosts
 
 __all__ = ["Refiner", "RowDrafter", "row_contexts"]
@@ -73,14 +73,12 @@ class Refiner:
     """Refines the B outcome drafts of one foresight round; `drafts`, `fixed` and the counts are per row."""
 
     def __init__(self, rows: RowDrafter, y0: int, block: list[int], outcomes: list[tuple[int, int]],
-                 drafts: torch.Tensor, mode: str, passes: int = 0, confidence: torch.Tensor | None = None):
+                 drafts: torch.Tensor, mode: Refinement, passes: int = 0, confidence: torch.Tensor | None = None):
         """drafts [B, m]: the rows' current drafts (after J0 and `passes` plain passes); rows: the drafter
         over the request's true context; confidence [B, m]: the draft model's top-1 probability of each
         draft (the verify-length controller's evidence), dropped for a row once refinement edits it."""
-        if mode not in REFINEMENTS:
-            raise ValueError(f"refinement must be one of {', '.join(REFINEMENTS)} (got {mode!r})")
         self.rows, self.y0, self.block = rows, y0, list(block)
-        self.outcomes, self.mode = list(outcomes), mode
+        self.outcomes, self.mode = list(outcomes), Refinement.parse(mode, "refinement")
         self.drafts = drafts.detach().to("cpu", torch.long).clone()  # [B, m] full-vocab ids
         b = self.drafts.shape[0]
         self.fixed = [0] * b  # leading draft positions fixed for the rest of the round (0..m)
@@ -102,7 +100,7 @@ class Refiner:
         """`refreshes` times: refresh the open rows, then one pass over those still open. The measured
         batch costs go into `costs`. `stop()` true before a refresh or a pass ends the refinement there: the
         drafts stay a valid block at every point (a refresh only fixes positions and writes guesses)."""
-        if refreshes and self.mode == "none":
+        if refreshes and self.mode == Refinement.NONE:
             raise ValueError("refinement 'none' runs no context refresh")
         stop = stop or (lambda: False)
         for _ in range(refreshes):
@@ -148,7 +146,7 @@ class Refiner:
             self.fixed[b] = self.width
             return
         i = f + int(wrong[0, 0])
-        if self.mode == "anchor":
+        if self.mode == Refinement.ANCHOR:
             x[i] = guess[i]
             self.fixed[b] = i + 1
         else:

@@ -13,6 +13,7 @@ it runs without the drafter.
 from __future__ import annotations
 
 from ..config import EngineConfig
+from ..protocol.kinds import Strategy
 from .ngram import NgramProposer, lookup_match
 from .proposer import Draft, DraftContext, Proposer
 
@@ -20,8 +21,8 @@ from .proposer import Draft, DraftContext, Proposer
 class HybridProposer:
     """Prompt lookup when the context ends in an n-gram of at least `min_match` tokens seen before (what
     follows it is then usually right, and costs nothing to draft), else the draft model. A view over the
-    draft model's proposer: the per-request state is the model's (the worker adds and releases requests
-    on the primary proposer only)."""
+    draft model's proposer: the per-request state is the model's (the worker adds, commits and releases
+    requests on the primary proposer only)."""
 
     name = "hybrid"
     supports_foresight = False
@@ -30,10 +31,13 @@ class HybridProposer:
         self.model = model
         self.ngram = ngram
         self.min_match = max(min_match, ngram.n_min)
-        self.hidden_layers = list(model.hidden_layers)
+        self.layout = model.layout
 
     def add_request(self, ctx: DraftContext) -> None:
         pass  # the model's state: see the class docstring
+
+    def commit(self, ctx: DraftContext) -> None:
+        pass
 
     def release(self, req_id: str) -> None:
         pass
@@ -61,25 +65,27 @@ class HybridProposer:
         return drafts
 
 
-def auto_strategies(offered: dict[str, Proposer]) -> list[str]:
+def auto_strategies(offered: dict[Strategy, Proposer]) -> list[Strategy]:
     """The drafting strategies mode `auto` chooses among (beside the target's own prompt lookup). Left out:
     "sync" when it is prompt lookup (--drafter ngram), which the target runs faster itself, and "sync" when
     "hybrid" is offered: hybrid is sync plus lookup drafts on long matches, which cost no drafting time
     (measured, bf16, one bench run each: hybrid 1.12x ar vs sync 1.09x on chat, 1.65x vs 1.42x on
     HumanEval), and two close rivals would cost exploring without end (auto spent 333 of 853 HumanEval
     rounds on sync with both offered)."""
-    out = [s for s in ("sync", "pipelined", "hybrid") if s in offered and not isinstance(offered[s], NgramProposer)]
-    if "hybrid" in out:
-        out.remove("sync")
+    out = [s for s in (Strategy.SYNC, Strategy.PIPELINED, Strategy.HYBRID)
+           if s in offered and not isinstance(offered[s], NgramProposer)]
+    if Strategy.HYBRID in out:
+        out.remove(Strategy.SYNC)
     return out
 
 
-def offered_strategies(primary: Proposer, cfg: EngineConfig) -> dict[str, Proposer]:
+def offered_strategies(primary: Proposer, cfg: EngineConfig) -> dict[Strategy, Proposer]:
     """Strategy -> the proposer that drafts it, for every strategy this drafter can run."""
     if isinstance(primary, NgramProposer):
-        return {"sync": primary}
+        return {Strategy.SYNC: primary}
     ngram = NgramProposer(cfg.ngram_max, cfg.ngram_min)
-    out: dict[str, Proposer] = {"sync": primary, "hybrid": HybridProposer(primary, ngram, cfg.hybrid_min_match)}
+    out: dict[Strategy, Proposer] = {Strategy.SYNC: primary,
+                                     Strategy.HYBRID: HybridProposer(primary, ngram, cfg.hybrid_min_match)}
     if primary.supports_foresight:
-        out["pipelined"] = primary
+        out[Strategy.PIPELINED] = primary
     return out

@@ -1,6 +1,7 @@
 """The drafter worker process: keeps each request's draft context and answers outcomes with blocks.
 
-Sync mode: each `Outcome` is absorbed into the request's context and answered with a fresh block.
+Sync mode: each `Outcome` is absorbed into the request's context, committed to the proposer (`commit`: it
+takes the round's target states) and answered with a fresh block.
 Pipelined mode: right after sending a block the drafter queues foresight for it; whenever no message
 is waiting it runs the queued jobs, pre-drafting blocks for the outcomes it expects into the
 speculation cache: every live job in one batch when the proposer can (`foresee_batch`: one adapter,
@@ -28,6 +29,7 @@ import zmq
 
 from ..config import EngineConfig
 from ..protocol.addresses import WorkerAddresses
+from ..protocol.kinds import Strategy
 from ..protocol.messages import DraftBlock, DrafterIdle, Outcome, ReleaseDraft, Shutdown, StartDraft, WorkerReady
 from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
 from ..protocol.sockets import MessageSocket
@@ -118,11 +120,10 @@ class DrafterWorker:
         }
 
     def run(self) -> None:
-        self.send_to_api.send(WorkerReady(worker="drafter", pid=os.getpid(), info={
-            "proposer": self.proposer.name, "hidden_layers": self.proposer.hidden_layers,
-            "state_layers": list(getattr(self.proposer, "state_layers", [])),
-            "supports_foresight": self.proposer.supports_foresight,
-            "strategies": ["ar", "ngram"] + sorted(self.strategies), "auto_strategies": auto_strategies(self.strategies),
+        self.send_to_api.send(WorkerReady(worker="drafter", pid=os.getpid(), layout=self.proposer.layout, info={
+            "proposer": self.proposer.name, "supports_foresight": self.proposer.supports_foresight,
+            "strategies": [Strategy.AR, Strategy.NGRAM] + sorted(self.strategies),
+            "auto_strategies": auto_strategies(self.strategies),
             "decoder_layers": getattr(getattr(self.proposer, "decoder", None), "n_layers", None),
             "calibration": calibration_source(self.proposer)}))
         with self.heartbeats:
@@ -175,6 +176,15 @@ class DrafterWorker:
         except Exception:  # the first drafting round absorbs them instead (and reports a failure there)
             log.exception("request %s: absorbing the prompt's target states failed", ctx.req_id)
 
+    def commit(self, ctx: DraftContext) -> None:
+        """The outcome's tokens and states are committed in `ctx`: the primary proposer (which keeps every
+        strategy's state) takes the states over. It runs no model there (proposer.py), so answering the
+        outcome does not wait."""
+        try:
+            self.proposer.commit(ctx)
+        except Exception:  # the states stay in the context; the next draft takes them (and reports a failure)
+            log.exception("request %s: committing the round's target states failed", ctx.req_id)
+
     def on_outcome(self, msg: Outcome) -> None:
         self.handle([msg])
 
@@ -193,9 +203,10 @@ class DrafterWorker:
             price_s = msg.verify_s if msg.verify_share_s is None else msg.verify_share_s
             self.lengths[ctx.proposer].observe(len(block), msg.accepted, price_s, block.confidence)
         ctx.absorb(msg.accepted, msg.bonus, msg.hidden, msg.linear_states)
+        self.commit(ctx)
         ctx.round = msg.round
         proposer = self.strategies.get(msg.strategy)
-        ctx.pipelined = msg.strategy == "pipelined"
+        ctx.pipelined = msg.strategy == Strategy.PIPELINED
         if proposer is None:  # "ar" or "ngram": the target takes the round alone; our foresight has stopped
             self.send_to_target.send(DrafterIdle(req_id=msg.req_id, round=msg.round))
             return None

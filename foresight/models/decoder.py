@@ -95,7 +95,8 @@ class ForesightDecoder:
                 f"foresight decoder supports {known} layers; layers {unsupported} are not "
                 "(sliding-window state is not implemented)"
             )
-        # Linear-attention layers the decoder runs: the target sends their committed state (`state_layers`).
+        # Linear-attention layers the decoder runs: the target sends their committed state
+        # (`HiddenLayout.state_layers`).
         self.linear_layers = [i for i in self.layer_ids if layer_types[i] == "linear_attention"]
         self.attention_layers = [i for i in self.layer_ids if layer_types[i] == "full_attention"]
         self.model = model

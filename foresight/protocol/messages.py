@@ -3,6 +3,9 @@
 One dataclass per message kind. The codec writes the kind first, then the protocol version, then
 the fields; tensors travel beside the msgpack body (see `transport`). Every message about a request
 carries its `req_id`; round-scoped messages also carry `round` so stale ones can be dropped.
+Modes, strategies and refinements travel as their strings and are parsed into their enums (`kinds.py`)
+in `__post_init__`, which decoding runs too: a bad value fails the message's construction with a
+ValueError naming the field (a decoded one: a ProtocolError).
 
 Round numbering: the target's prefill is round 0. `Outcome(round=r)` reports how verification of
 round r-1's block ended (or the prefill, for r=1) and asks for the block of round r;
@@ -12,24 +15,31 @@ stale and is dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import torch
 
-PROTOCOL_VERSION = 5  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle.
-# 4: Outcome.verify_share_s. 5: LinearStates in StartDraft and Outcome
+from .kinds import Mode, Refinement, Strategy
+
+PROTOCOL_VERSION = 6  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle.
+# 4: Outcome.verify_share_s. 5: LinearStates in StartDraft and Outcome. 6: WorkerReady.layout (HiddenLayout) in
+# place of its info's hidden_layers and state_layers
 
 MESSAGE_TYPES: dict[str, type] = {}
 
 
-def message(cls):
-    """Register a message dataclass under its KIND."""
-    cls = dataclass(slots=True)(cls)
-    kind = cls.KIND
-    if kind in MESSAGE_TYPES:
-        raise ValueError(f"duplicate message kind {kind}")
-    MESSAGE_TYPES[kind] = cls
-    return cls
+def message(cls=None, /, *, frozen: bool = False):
+    """Register a message dataclass under its KIND (`frozen`: an immutable value, as `@message(frozen=True)`)."""
+
+    def register(cls):
+        cls = dataclass(slots=True, frozen=frozen)(cls)
+        kind = cls.KIND
+        if kind in MESSAGE_TYPES:
+            raise ValueError(f"duplicate message kind {kind}")
+        MESSAGE_TYPES[kind] = cls
+        return cls
+
+    return register if cls is None else register(cls)
 
 
 # ---------------------------------------------------------------- api -> target
@@ -55,8 +65,12 @@ class GenerateRequest:
     sampling: SamplingParams
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    mode: str | None = None  # one of config.MODES; None = the server's mode (bench sets it)
-    refinement: str | None = None  # pipelined: "none" | "refresh" | "anchor"; None = the server's (bench sets it)
+    mode: Mode | None = None  # None = the server's mode (bench sets it)
+    refinement: Refinement | None = None  # pipelined; None = the server's (bench sets it)
+
+    def __post_init__(self) -> None:
+        self.mode = Mode.parse_optional(self.mode, "mode")
+        self.refinement = Refinement.parse_optional(self.refinement, "refinement")
 
 
 @message
@@ -98,7 +112,10 @@ class RoundStats:
     cache_hit: bool | None  # None when no speculation cache was consulted
     passes: int = 0  # drafter refinement passes used for the block
     refreshes: int = 0  # drafter context refreshes used for the block
-    strategy: str = "ar"  # how the round ran (config.STRATEGIES); in mode auto, what the chooser picked
+    strategy: Strategy = Strategy.AR  # how the round ran; in mode auto, what the chooser picked
+
+    def __post_init__(self) -> None:
+        self.strategy = Strategy.parse(self.strategy, "strategy")
 
 
 @message
@@ -122,12 +139,62 @@ class RequestFailed:
     status: int = 500
 
 
+def _layer_indices(name: str, layers: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(int(i) for i in layers)
+    if any(i < 0 for i in out) or list(out) != sorted(set(out)):
+        raise ValueError(f"{name} must be distinct ascending indices >= 0 (got {list(out)})")
+    return out
+
+
+@message(frozen=True)
+class HiddenLayout:
+    """The target states a drafter reads, laid out as the target sends them (`StartDraft.hidden`,
+    `Outcome.hidden`): per position, the states at hidden_states indices `layers` (index i is the output of
+    decoder layer i-1, 0 the embeddings), concatenated in that ascending order -> [positions, width],
+    width = len(layers) * hidden_size. Every consumer takes its own `columns` of it. `state_layers`: the
+    linear-attention layers of a hybrid target whose committed state travels as `LinearStates`."""
+
+    KIND: ClassVar[str] = "hidden_layout"
+    layers: tuple[int, ...] = ()
+    hidden_size: int = 0  # the target's; 0 only without layers
+    state_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Decoded from msgpack the indices come as lists: made tuples so the layout stays immutable.
+        object.__setattr__(self, "layers", _layer_indices("layers", self.layers))
+        object.__setattr__(self, "state_layers", _layer_indices("state_layers", self.state_layers))
+        if self.hidden_size < 0 or (self.layers and self.hidden_size == 0):
+            raise ValueError(f"hidden_size must be > 0 when there are layers (got {self.hidden_size})")
+
+    @property
+    def width(self) -> int:
+        """Columns per position."""
+        return len(self.layers) * self.hidden_size
+
+    def columns(self, indices: Sequence[int]) -> torch.Tensor:
+        """[len(indices) * hidden_size] long: the columns of the states at `indices`, in that order."""
+        missing = [i for i in indices if i not in self.layers]
+        if missing:
+            raise ValueError(f"hidden_states indices {missing} are not in the layout's {list(self.layers)}")
+        offsets = torch.tensor([self.layers.index(i) * self.hidden_size for i in indices], dtype=torch.long)
+        return (offsets[:, None] + torch.arange(self.hidden_size)).flatten()  # [n, hidden] -> [n * hidden]
+
+    def select(self, hidden: torch.Tensor, indices: Sequence[int]) -> torch.Tensor:
+        """The states at `indices` from hidden [..., width] -> [..., len(indices) * hidden_size]."""
+        return hidden[..., self.columns(indices)]
+
+    def concat(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The layout of a forward's `hidden_states` (one [..., hidden_size] tensor per index) -> [..., width]."""
+        return torch.cat([hidden_states[i] for i in self.layers], dim=-1)
+
+
 @message
 class WorkerReady:
     KIND: ClassVar[str] = "ready"
     worker: str  # "target" | "drafter"
     pid: int
     info: dict[str, Any] = field(default_factory=dict)
+    layout: HiddenLayout | None = None  # the drafter's: the target states it reads (the target starts with it)
 
 
 @message
@@ -181,12 +248,15 @@ class StartDraft:
     prompt_ids: list[int]
     seed: int  # for the drafter's own noise; derived so it never mirrors the target's draws
     temperature: float = 1.0  # the request's sampling temperature (foresight ranks outcomes for it)
-    refinement: str | None = None  # the request's self-refinement mode (GenerateRequest); None = the drafter's
+    refinement: Refinement | None = None  # the request's self-refinement (GenerateRequest); None = the drafter's
     hidden: torch.Tensor | None = None  # [prompt_len, n_layers * hidden] or None
     # The request's sampling and verification rule: foresight scores outcomes under them (top-k, top-p,
     # exact or nucleus). None: temperature alone, exact verification.
     sampling: SamplingParams | None = None
     linear_states: LinearStates | None = None  # hybrid targets: the state after the prompt (see LinearStates)
+
+    def __post_init__(self) -> None:
+        self.refinement = Refinement.parse_optional(self.refinement, "refinement")
 
 
 @message
@@ -207,14 +277,17 @@ class Outcome:
     # price of the block); None: the block had the forward to itself.
     verify_share_s: float | None = None
     hidden: torch.Tensor | None = None  # [accepted + 1, n_layers * hidden] states of committed positions
-    # How round `round` runs (config.STRATEGIES). The target sends an Outcome only for a round that wants a
-    # block; "ar" / "ngram" rounds (a plain step, prompt lookup by the target) are reported with the next.
-    strategy: str = "sync"
+    # How round `round` runs. The target sends an Outcome only for a round that wants a block; "ar" / "ngram"
+    # rounds (a plain step, prompt lookup by the target) are reported with the next.
+    strategy: Strategy = Strategy.SYNC
     # Set when the drafter did not draft what is reported (rounds of "ar" / "ngram", reported together in the
     # Outcome of the next round that wants a block): the committed tokens before `bonus` (`accepted` of
     # them), and `hidden` holds their states. None: `accepted` counts drafts of the drafter's own last block.
     drafts: list[int] | None = None
     linear_states: LinearStates | None = None  # hybrid targets: the state after the committed positions
+
+    def __post_init__(self) -> None:
+        self.strategy = Strategy.parse(self.strategy, "strategy")
 
 
 @message

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from ..config import ConfigError, add_engine_args, add_server_args, engine_from_args, server_from_args
+from ..protocol.kinds import Mode
 from ..training.cli import COMMANDS as TRAIN_COMMANDS, add_train_args, run as run_training
 
 
@@ -67,10 +68,10 @@ def check_mode(engine) -> None:
     from ..drafter_worker.jetspec_proposer import resolve_drafter_path
     from ..drafter_worker.worker import why_no_foresight
 
-    if engine.mode == "hybrid" and resolve_drafter_path(engine) is None:
+    if engine.mode == Mode.HYBRID and resolve_drafter_path(engine) is None:
         raise ConfigError(f"--mode hybrid needs a trained drafter (--drafter {engine.drafter} means prompt lookup "
                           f"alone here); use --mode ngram, sync or ar")
-    if engine.mode != "pipelined":
+    if engine.mode != Mode.PIPELINED:
         return
     why = why_no_foresight(engine)
     if why is not None:

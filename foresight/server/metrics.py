@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from foresight.config import STRATEGIES
+from foresight.protocol.kinds import Strategy
 from foresight.protocol.messages import RoundStats
 
 PREFIX = "foresight_"
@@ -100,7 +100,7 @@ class ServerMetrics:
             self._worker_restarts.labels(m, worker)
         for pos in range(max_draft_tokens):
             self._accepted_per_pos.labels(m, str(pos))
-        for strategy in STRATEGIES:
+        for strategy in Strategy:
             self._strategy_rounds.labels(m, strategy)
 
     # ------------------------------------------------------------ requests

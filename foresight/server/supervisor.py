@@ -16,6 +16,7 @@ calls `on_fatal` (the api then drains and exits non-zero, for its orchestrator t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import time
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field
 
 from ..config import EngineConfig
 from ..protocol.addresses import WorkerAddresses
-from ..protocol.messages import Heartbeat, WorkerReady
+from ..protocol.kinds import Mode
+from ..protocol.messages import Heartbeat, HiddenLayout, WorkerReady
 from ..protocol.transport import sweep_shm
 from .faults import HeartbeatMonitor, RestartBudget
 
@@ -92,7 +94,7 @@ class Supervisor:
         self.heartbeats = HeartbeatMonitor(self.heartbeat_timeout_s, self.stall_timeout_s)
         self.budgets = {n: RestartBudget(self.max_restarts, self.restart_window_s) for n in WORKERS}
         self._fault_lock = asyncio.Lock()  # one fault at a time: a target fault replaces the drafter too
-        self._pair_drafter: dict = {}  # ready info of the drafter the running target was started with
+        self._pair_drafter: WorkerReady | None = None  # the drafter the running target was started with
         self._started = False
 
     # ------------------------------------------------------------------ state
@@ -147,14 +149,13 @@ class Supervisor:
     async def _start_pair(self) -> None:
         drafter = await self._spawn("drafter", (self.cfg.to_dict(), self.addrs.to_dict()))
         self._check_drafter(drafter)
-        self._pair_drafter = drafter.info
-        layers = list(drafter.info.get("hidden_layers", []))
-        await self._spawn("target", (self.cfg.to_dict(), self.addrs.to_dict(), layers,
-                                     list(drafter.info["strategies"]), list(drafter.info["auto_strategies"]),
-                                     list(drafter.info.get("state_layers", []))))
+        self._pair_drafter = drafter
+        layout, strategies, auto_strategies = _pairing(drafter)
+        await self._spawn("target", (self.cfg.to_dict(), self.addrs.to_dict(), dataclasses.asdict(layout),
+                                     list(strategies), list(auto_strategies)))
 
     def _check_drafter(self, drafter: WorkerReady) -> None:
-        if self.cfg.mode != "auto" and self.cfg.mode not in drafter.info["strategies"]:
+        if self.cfg.mode != Mode.AUTO and self.cfg.mode not in drafter.info["strategies"]:
             raise WorkerStartError(f"mode {self.cfg.mode} is not offered by the drafter "
                                    f"{drafter.info.get('proposer')!r} (it offers auto, "
                                    f"{', '.join(drafter.info['strategies'])})")
@@ -162,12 +163,11 @@ class Supervisor:
     async def _start_drafter_alone(self) -> None:
         """A new drafter beside the running target; it must want what the target was started with."""
         drafter = await self._spawn("drafter", (self.cfg.to_dict(), self.addrs.to_dict()))
-        keys = ("hidden_layers", "state_layers", "strategies", "auto_strategies")
-        wanted = {k: self._pair_drafter.get(k) for k in keys}
-        if {k: drafter.info.get(k) for k in wanted} != wanted:
+        got, wanted = _pairing(drafter), _pairing(self._pair_drafter)
+        if got != wanted:
             await self._kill(self.workers["drafter"])
             raise WorkerStartError(f"the restarted drafter differs from the one the target was started with "
-                                   f"({drafter.info} vs {wanted})")
+                                   f"(layout, strategies, auto strategies: {got} vs {wanted})")
 
     async def _spawn(self, name: str, args: tuple) -> WorkerReady:
         handle = self.workers[name]
@@ -336,6 +336,13 @@ async def _exited(proc: mp.process.BaseProcess, timeout_s: float) -> bool:
             return False
         await asyncio.sleep(0.02)
     return True
+
+
+def _pairing(drafter: WorkerReady) -> tuple[HiddenLayout, list, list]:
+    """What the target is started with from the drafter's ready message: the target states it reads, the
+    strategies it offers and those mode auto picks from (a drafter restarted beside it must want the same)."""
+    info = drafter.info
+    return drafter.layout or HiddenLayout(), info.get("strategies", []), info.get("auto_strategies", [])
 
 
 def _run_worker(module: str, args: tuple) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..protocol.kinds import Mode, Strategy
 from ..protocol.messages import GenerateRequest
 from .sampling import PositionDraws
 from .strategy_choice import LOCAL_STRATEGIES, RequestChoice
@@ -14,7 +15,7 @@ from .strategy_choice import LOCAL_STRATEGIES, RequestChoice
 @dataclass(slots=True)
 class RequestState:
     request: GenerateRequest
-    mode: str  # config.MODES
+    mode: Mode
     draws: PositionDraws  # the request's random draws, keyed by the position of the token they decide
     cache: object = None  # DynamicCache once the prefill started
     prefill_pos: int = 0  # prompt tokens in the cache: a long prompt is prefilled in chunks, one per step
@@ -25,7 +26,7 @@ class RequestState:
     # The drafter holds this request's context and answers its outcomes. False in `ar` mode, and for a
     # request that started or went on while the drafter was down: it takes plain one-token steps.
     drafting: bool = False
-    strategy: str = "ar"  # how the current round runs (config.STRATEGIES): the mode, or auto's choice
+    strategy: Strategy = Strategy.AR  # how the current round runs: the mode, or auto's choice
     choice: RequestChoice | None = None  # mode auto: this request's side of the strategy choice
     block: list[int] | None = None  # drafts received for `round`
     # Tokens committed (and their target states [n, n_layers * hidden]) that the drafter has not been told of:
@@ -71,7 +72,7 @@ class RequestState:
         """Go on without the drafter (it is down): plain steps from now on (mode auto: the target's own prompt
         lookup, one of its choices), nothing awaited."""
         self.drafting = False
-        self.strategy = "ngram" if self.mode == "auto" else "ar"
+        self.strategy = Strategy.NGRAM if self.mode == Mode.AUTO else Strategy.AR
         self.choice = None
         self.block = None
         self.drafter_winding_down = 0

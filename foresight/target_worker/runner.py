@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from ..protocol.messages import LinearStates
+from ..protocol.messages import HiddenLayout, LinearStates
 from .batched_kv import BatchedKV, batchable
 from .linear_rollback import LinearSnapshot, LinearStateRollback
 from .logit_head import LOGIT_PRECISIONS, Fp32LogitHead, needs_fp32_head, soft_cap
@@ -20,24 +20,23 @@ from .logit_head import LOGIT_PRECISIONS, Fp32LogitHead, needs_fp32_head, soft_c
 @dataclass(slots=True)
 class ForwardResult:
     logits: torch.Tensor  # [positions, vocab] float32, one row per fed position
-    hidden: torch.Tensor | None  # [positions, n_layers * hidden] states at the captured layers
+    hidden: torch.Tensor | None  # [positions, layout.width] states at the layout's layers
     linear_snapshot: LinearSnapshot | None = None  # hybrid targets: what rollback() needs
 
 
 class TargetRunner:
     """Wraps a Hugging Face causal LM for per-request prefill / verify with a DynamicCache."""
 
-    def __init__(self, model, hidden_layers: list[int] | None = None, logits: str = "fp32-top",
-                 state_layers: list[int] | None = None):
-        """`state_layers`: linear-attention layers whose committed state the drafter wants (`linear_states`)."""
+    def __init__(self, model, layout: HiddenLayout | None = None, logits: str = "fp32-top"):
+        """`layout`: the target states each forward returns (`ForwardResult.hidden`), and the linear-attention
+        layers whose committed state `linear_states` copies (None: neither)."""
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
-        # hidden_states index i is the output of decoder layer i-1 (index 0 = embeddings).
-        self.hidden_layers = list(hidden_layers or [])
+        self.layout = layout or HiddenLayout()
+        self._check_layout()
         self.linear = LinearStateRollback(model)  # empty unless the target has linear-attention layers
-        self.state_layers = list(state_layers or [])
-        self.linear.check_layers(self.state_layers)
+        self.linear.check_layers(list(self.layout.state_layers))
         # A bf16/fp16 target still decides in fp32: its final norm and LM head run in fp32 (logit_head.py).
         if logits not in LOGIT_PRECISIONS:
             raise ValueError(f"logits must be one of {LOGIT_PRECISIONS}, got {logits!r}")
@@ -47,9 +46,15 @@ class TargetRunner:
 
     @classmethod
     def for_proposer(cls, model, proposer, **kw) -> "TargetRunner":
-        """A runner that sends what `proposer` reads: target states at its `hidden_layers` and, on a hybrid
-        target, the committed state of its `state_layers`."""
-        return cls(model, proposer.hidden_layers, state_layers=getattr(proposer, "state_layers", None), **kw)
+        """A runner that sends what `proposer` reads (its `layout`)."""
+        return cls(model, proposer.layout, **kw)
+
+    def _check_layout(self) -> None:
+        """The drafter must have been built for this target: its layout's width is the target's."""
+        hidden_size = getattr(self.config, "hidden_size", None)
+        if self.layout.layers and hidden_size is not None and self.layout.hidden_size != hidden_size:
+            raise ValueError(f"the drafter reads target states of width {self.layout.hidden_size}; this "
+                             f"target's are {hidden_size} wide")
 
     @property
     def vocab_size(self) -> int:
@@ -85,8 +90,8 @@ class TargetRunner:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, L]
         keep = keep_logits or len(tokens)
         kwargs = {}
-        if self.hidden_layers:
-            kwargs["output_hidden_states"] = self.hidden_layers
+        if self.layout.layers:
+            kwargs["output_hidden_states"] = list(self.layout.layers)
         if self.logit_precision == "fp32":
             # The base model only: the fp32 head replaces the model's own low-precision LM head.
             out = self.model.model(input_ids=ids, cache=cache, use_cache=True, **kwargs)
@@ -98,9 +103,8 @@ class TargetRunner:
             out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep, **kwargs)
             logits = out.logits[0].float()  # [keep, vocab]
         hidden = None
-        if self.hidden_layers:
-            # [L, n_layers * hidden], concatenated in the order the drafter asked for.
-            hidden = torch.cat([out.hidden_states[i][0] for i in self.hidden_layers], dim=-1)
+        if self.layout.layers:
+            hidden = self.layout.concat(out.hidden_states)[0]  # [L, width]
         return ForwardResult(logits=logits, hidden=hidden, linear_snapshot=snap)
 
     def prefill(self, cache: DynamicCache, prompt_ids: list[int]) -> ForwardResult:
@@ -127,7 +131,7 @@ class TargetRunner:
         self.last_batch = None
         ids = torch.tensor([block + block[-1:] * (width - len(block)) for block in blocks],
                            dtype=torch.long, device=self.device)  # [B, L], right-padded
-        kwargs = {"output_hidden_states": self.hidden_layers} if self.hidden_layers else {}
+        kwargs = {"output_hidden_states": list(self.layout.layers)} if self.layout.layers else {}
         snap = kv.snapshot()
         try:
             out = self.model.model(input_ids=ids, attention_mask=kv.attention_mask(self.device),
@@ -140,8 +144,8 @@ class TargetRunner:
         cols = torch.tensor([i for n in lengths for i in range(n)], device=self.device)  # [N]
         logits = self._logits_at(out.last_hidden_state[rows, cols], (rows, cols)).split(lengths)  # [n_b, vocab]
         hidden = [None] * len(blocks)
-        if self.hidden_layers:
-            states = torch.cat([out.hidden_states[i] for i in self.hidden_layers], dim=-1)  # [B, L, n_layers * hidden]
+        if self.layout.layers:
+            states = self.layout.concat(out.hidden_states)  # [B, L, width]
             hidden = [states[b, :n] for b, n in enumerate(lengths)]
         return [ForwardResult(logits=lg, hidden=h) for lg, h in zip(logits, hidden)]
 
@@ -156,12 +160,13 @@ class TargetRunner:
         return soft_cap(low, getattr(self.config, "final_logit_softcapping", None)).float()
 
     def linear_states(self, cache: DynamicCache, position: int) -> LinearStates | None:
-        """The committed state of `state_layers` in `cache`, which holds positions 0..position-1 (None: none
-        wanted, or nothing in the cache yet)."""
-        if not self.state_layers or position == 0:
+        """The committed state of the layout's `state_layers` in `cache`, which holds positions 0..position-1
+        (None: none wanted, or nothing in the cache yet)."""
+        layers = list(self.layout.state_layers)
+        if not layers or position == 0:
             return None
-        conv, recurrent = self.linear.committed(cache, self.state_layers)
-        return LinearStates(position=position, layers=list(self.state_layers), conv=conv, recurrent=recurrent)
+        conv, recurrent = self.linear.committed(cache, layers)
+        return LinearStates(position=position, layers=layers, conv=conv, recurrent=recurrent)
 
     def rollback(self, cache: DynamicCache, rejected: int, result: ForwardResult) -> None:
         """Drop the last `rejected` positions (the drafts verification did not accept).

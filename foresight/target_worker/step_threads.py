@@ -16,13 +16,14 @@ from typing import Iterable
 import torch
 
 from ..config import EngineConfig
+from ..protocol.kinds import Strategy
 from .request_state import RequestState
 
 
 def _drafting_for(s: RequestState) -> bool:
     """Is the drafter drafting a block this request waits for, or running foresight beside its pipelined
     verification (its block arrived; foresight runs until the outcome)?"""
-    return s.prefilled and s.awaits_block() and (s.block is None or s.strategy == "pipelined")
+    return s.prefilled and s.awaits_block() and (s.block is None or s.strategy == Strategy.PIPELINED)
 
 
 def drafter_busy(states: Iterable[RequestState]) -> bool:

@@ -31,10 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..protocol.kinds import Strategy
+
 # Strategies the target runs without the drafter. Mode auto leaves "ar" out: "ngram" with its verify-length
 # controller is a plain step whenever lookup finds nothing worth verifying, so ar can only lose to it by the
 # lookup itself (well under a millisecond), and two near-equal rivals would cost exploring without end.
-LOCAL_STRATEGIES = ("ar", "ngram")
+LOCAL_STRATEGIES = (Strategy.AR, Strategy.NGRAM)
 POOLED_DECAY = 0.95  # per round a strategy runs: the pooled figures follow its last ~20 rounds
 # Per round a strategy runs for the request: its own figures follow its last ~10 rounds. Without it a long
 # request whose first rounds went well kept a strategy that ran at 0.9x the best for the rest of it
@@ -48,7 +50,7 @@ MAX_TRIAL = 4  # rounds a promising trial may run
 PROMISING = 1.1  # a trial round is promising when it beats every other estimate by this factor (not by noise)
 # "pipelined" pre-drafts during round t for round t+1: its first round after a switch runs without foresight,
 # so its trial lasts two rounds and only rounds after another pipelined one are measured.
-TRIAL_ROUNDS = {"pipelined": 2}
+TRIAL_ROUNDS = {Strategy.PIPELINED: 2}
 MIN_MEASURED = 2  # rounds a strategy must have measured in a class before it competes on its estimate
 
 
@@ -107,7 +109,7 @@ class StrategyChooser:
         choice.rounds[s] = choice.rounds.get(s, 0) + 1
         key = (choice.group, s)
         self.runs[key] = self.runs.get(key, 0) + 1
-        if s == "pipelined" and choice.previous != "pipelined":
+        if s == Strategy.PIPELINED and choice.previous != Strategy.PIPELINED:
             return  # no foresight could run for it: not what pipelined costs or gives
         if seconds <= 0 or self.runs[key] == 1:
             return  # nothing to measure, or the strategy's first round in the class (see the docstring)

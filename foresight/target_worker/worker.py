@@ -10,7 +10,7 @@ drafter is down (`DrafterStatus(up=False)` from the supervisor) requests take pl
 instead of waiting; they stay on plain steps until they end, because a restarted
 drafter has lost their contexts. Requests that start once it is back (`DrafterStatus(up=True)`) draft.
 
-Each round of a request runs one strategy (config.STRATEGIES), named in the `Outcome` that asks for its
+Each round of a request runs one strategy (`protocol.kinds.Strategy`), named in the `Outcome` that asks for its
 block: the request's mode, or in mode `auto` the one `strategy_choice.StrategyChooser` picks from the
 goodput measured so far. Two strategies need no drafter: "ar" (a plain step) and "ngram" (prompt lookup,
 run here: `local_lookup.py`). An `auto` round that runs one of them still tells the drafter its outcome
@@ -26,14 +26,16 @@ from collections import OrderedDict
 import torch
 import zmq
 
-from ..config import MODES, REFINEMENTS, EngineConfig
+from ..config import EngineConfig
 from ..protocol.addresses import WorkerAddresses
+from ..protocol.kinds import Mode, Strategy
 from ..protocol.messages import (
     AbortRequest,
     DraftBlock,
     DrafterIdle,
     DrafterStatus,
     GenerateRequest,
+    HiddenLayout,
     Outcome,
     ReleaseDraft,
     RequestFailed,
@@ -64,20 +66,23 @@ WIND_DOWN_WAIT_MS = 2  # see drafter_still_busy
 # What the api hears of an unexpected failure; the details go to this worker's log with the request id.
 INTERNAL_ERROR = "internal error in the target worker"
 # What a prompt-lookup drafter offers (`drafter_worker.strategies`); the drafter reports its own in WorkerReady.
-NGRAM_STRATEGIES = ("sync",)
+NGRAM_STRATEGIES = (Strategy.SYNC,)
 
 
 class TargetWorker:
     def __init__(self, cfg: EngineConfig, addrs: WorkerAddresses, runner: TargetRunner, ctx: zmq.Context,
-                 eos_token_ids: list[int], max_model_len: int, strategies: tuple[str, ...] = NGRAM_STRATEGIES,
-                 auto_strategies: tuple[str, ...] = (), threads: StepThreads | None = None):
+                 eos_token_ids: list[int], max_model_len: int, strategies: tuple[Strategy, ...] = NGRAM_STRATEGIES,
+                 auto_strategies: tuple[Strategy, ...] = (), threads: StepThreads | None = None):
         """`strategies`: the drafting strategies the drafter offers; `auto_strategies`: those of them mode auto
         picks from (besides local prompt lookup, "ngram"); `threads`: sets the thread count of each step
         (the worker process; None leaves torch's setting alone, as a worker run in a thread must)."""
         self.cfg = cfg
         self.threads = threads
-        self.strategies = LOCAL_STRATEGIES + tuple(s for s in strategies if s not in LOCAL_STRATEGIES)
-        self.chooser = StrategyChooser(("ngram",) + tuple(auto_strategies))  # the drafter's own + local lookup
+        # Parsed here: they come as the drafter's ready message names them (strings).
+        offered = tuple(Strategy.parse(s, "strategies") for s in strategies)
+        self.strategies = LOCAL_STRATEGIES + tuple(s for s in offered if s not in LOCAL_STRATEGIES)
+        auto = tuple(Strategy.parse(s, "auto_strategies") for s in auto_strategies)
+        self.chooser = StrategyChooser((Strategy.NGRAM, *auto))  # the drafter's own + local lookup
         self.lookup = LocalLookup(cfg)
         self.step_cost = StepCost()  # what each request's part of a batched step costs
         self.runner = runner
@@ -218,23 +223,19 @@ class TargetWorker:
     # ------------------------------------------------------------------ handlers
 
     def on_generate(self, req: GenerateRequest) -> None:
-        mode = req.mode or self.cfg.mode
-        if mode not in MODES or (mode != "auto" and mode not in self.strategies):
-            offered = ", ".join(("auto",) + self.strategies)
+        mode = req.mode or self.cfg.mode  # both parsed already (GenerateRequest, EngineConfig)
+        if mode != Mode.AUTO and mode not in self.strategies:
+            offered = ", ".join((Mode.AUTO, *self.strategies))
             self.send_to_api.send(RequestFailed(req_id=req.req_id, status=400,
-                                                error=f"mode {mode!r} is not offered by this drafter; choose "
-                                                      f"from {offered} (pipelined needs foresight, hybrid a "
-                                                      f"draft model)"))
-            return
-        if req.refinement is not None and req.refinement not in REFINEMENTS:
-            self.send_to_api.send(RequestFailed(req_id=req.req_id, status=400,
-                                                error=f"refinement must be one of {', '.join(REFINEMENTS)}"))
+                                                error=f"mode {mode.value!r} is not offered by this drafter; "
+                                                      f"choose from {offered} (pipelined needs foresight, "
+                                                      f"hybrid a draft model)"))
             return
         seed = req.sampling.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_rng))
-        self.requests[req.req_id] = RequestState(request=req, mode=mode, draws=PositionDraws(seed),
-                                                 strategy=mode if mode in LOCAL_STRATEGIES else "ar")
+        strategy = Strategy(mode) if mode in LOCAL_STRATEGIES else Strategy.AR  # the first round's
+        self.requests[req.req_id] = RequestState(request=req, mode=mode, draws=PositionDraws(seed), strategy=strategy)
 
     def on_abort(self, msg: AbortRequest) -> None:
         if msg.req_id in self.requests:
@@ -301,10 +302,10 @@ class TargetWorker:
                 req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.draws.seed),
                 temperature=req.sampling.temperature, refinement=req.refinement, hidden=hidden,
                 sampling=req.sampling, linear_states=self.runner.linear_states(state.cache, state.prefill_pos)))
-        if state.mode == "auto" and state.drafting:
+        if state.mode == Mode.AUTO and state.drafting:
             state.choice = self.chooser.start(request_group(req.sampling.temperature))
-        elif state.mode == "auto":
-            state.strategy = "ngram"  # no drafter: the one strategy auto has left
+        elif state.mode == Mode.AUTO:
+            state.strategy = Strategy.NGRAM  # no drafter: the one strategy auto has left
         self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True)
 
     def run_rounds(self, states: list[RequestState]) -> None:
@@ -371,7 +372,7 @@ class TargetWorker:
 
     def local_drafts(self, state: RequestState) -> list[int]:
         """The drafts of a round the target runs without the drafter: none for "ar", prompt lookup for "ngram"."""
-        if state.strategy != "ngram":
+        if state.strategy != Strategy.NGRAM:
             return []
         return self.lookup.propose(state.request.prompt_ids + state.output_ids, self.max_drafts(state), state.round)
 
@@ -461,9 +462,9 @@ class TargetWorker:
             self.to_drafter(ReleaseDraft(req_id=req_id))
 
 
-def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], strategies: list[str],
-         auto_strategies: list[str], state_layers: list[int] | None = None) -> None:
-    """Process entry point (spawned by the launcher)."""
+def main(cfg_dict: dict, addrs_dict: dict, layout_dict: dict, strategies: list[str],
+         auto_strategies: list[str]) -> None:
+    """Process entry point (spawned by the launcher). `layout_dict`: the drafter's `HiddenLayout`, as a dict."""
     prepare_worker_process()
     cfg = EngineConfig.from_dict(cfg_dict)
     addrs = WorkerAddresses.from_dict(addrs_dict)
@@ -472,7 +473,7 @@ def main(cfg_dict: dict, addrs_dict: dict, hidden_layers: list[int], strategies:
     with worker_lifetime(ctx, addrs, "target"):
         path = resolve_target(cfg.target)
         model = load_target(path, resolve_dtype(cfg.dtype, cfg.target_device), cfg.target_device)
-        runner = TargetRunner(model, hidden_layers, state_layers=state_layers)
+        runner = TargetRunner(model, HiddenLayout(**layout_dict))
         max_len = cfg.max_model_len or model.config.max_position_embeddings
         TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),
                      tuple(auto_strategies), StepThreads.from_config(cfg)).run()

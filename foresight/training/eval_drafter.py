@@ -86,6 +86,7 @@ def _round_loop(runner: TargetRunner, proposer, ctx: DraftContext, cache, gen: t
         # Cached now: the committed tokens before the new anchor (a hybrid target's snapshot covers them).
         snapshot = runner.linear_states(cache, len(ctx.tokens) + verdict.accepted)
         ctx.absorb(verdict.accepted, verdict.token, hidden, snapshot)
+        proposer.commit(ctx)
         accepted.append(verdict.accepted)
         for tok in draft[:verdict.accepted] + [verdict.token]:
             out.append(tok)

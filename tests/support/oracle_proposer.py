@@ -14,7 +14,6 @@ from foresight.drafter_worker.speculation_cache import CacheEntry
 
 class OracleForesight(StatelessProposer):
     name = "oracle"
-    hidden_layers: list[int] = []
     supports_foresight = True
 
     def __init__(self, model, wrong: bool = False):

@@ -19,7 +19,6 @@ class ScriptedProposer(StatelessProposer):
     a draft model that stopped fitting the workload."""
 
     name = "scripted"
-    hidden_layers: list[int] = []
     supports_foresight = False
 
     def __init__(self, vocab: int, delay_s: float = 0.01):
@@ -144,7 +143,7 @@ def test_the_drafter_absorbs_a_prompt_when_the_request_starts():
     try:
         worker = DrafterWorker(EngineConfig(drafter="ngram"), addrs, proposer, zctx)
         prompt = PROMPTS[0]
-        hidden = true_states(model, prompt, proposer.hidden_layers)  # [prompt_len, n_layers * hidden]
+        hidden = true_states(model, prompt, proposer.layout.layers)  # [prompt_len, n_layers * hidden]
         worker.on_start(StartDraft(req_id="r", prompt_ids=prompt, seed=0, hidden=hidden))
         ctx = worker.contexts["r"]
         assert ctx.hidden == [] and proposer.state(ctx).positions == len(prompt)

@@ -30,7 +30,7 @@ def contexts(proposer: JetSpecProposer, target, seeds=(1, 2, 3)) -> list[DraftCo
     ctxs = []
     for i, (prompt, seed) in enumerate(zip(PROMPTS, seeds)):
         ctx = DraftContext(req_id=f"r{i}", tokens=list(prompt), seed=seed,
-                           hidden=[true_states(target, prompt, proposer.hidden_layers)[:-1]])
+                           hidden=[true_states(target, prompt, proposer.layout.layers)[:-1]])
         proposer.add_request(ctx)
         ctxs.append(ctx)
     return ctxs
@@ -66,7 +66,7 @@ def test_outcomes_that_arrive_together_are_drafted_in_one_pass(target):
         from_drafter = MessageSocket(zctx, zmq.PULL, addrs.drafter_to_target, bind=True)
         worker = DrafterWorker(EngineConfig(drafter="ngram", verify_length="max"), addrs, proposer, zctx)
         for i, prompt in enumerate(PROMPTS):
-            hidden = true_states(target, prompt, proposer.hidden_layers)  # the prefill's: every prompt position
+            hidden = true_states(target, prompt, proposer.layout.layers)  # the prefill's: every prompt position
             worker.on_start(StartDraft(req_id=f"r{i}", prompt_ids=prompt, seed=i, hidden=hidden))
         worker.handle([Outcome(req_id=f"r{i}", round=1, accepted=0, bonus=7, max_drafts=5, strategy="sync")
                        for i in range(3)] + [ReleaseDraft(req_id="r2")])  # r2 ended before its block was drafted

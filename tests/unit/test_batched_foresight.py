@@ -108,7 +108,7 @@ def contexts(target, drafter: ForesightDrafter, prompts: list[list[int]]) -> lis
     ctxs = []
     for g, prompt in enumerate(prompts):
         ctx = DraftContext(req_id=f"r{g}", tokens=list(prompt), seed=g, temperature=0.0,
-                           hidden=[true_states(target, prompt[:-1], drafter.hidden_layers)],
+                           hidden=[true_states(target, prompt[:-1], drafter.layout.layers)],
                            linear_states=linear_states(target, drafter, prompt, len(prompt) - 1))
         drafter.add_request(ctx)
         ctxs.append(ctx)
@@ -117,7 +117,7 @@ def contexts(target, drafter: ForesightDrafter, prompts: list[list[int]]) -> lis
 
 def linear_states(target, drafter: ForesightDrafter, tokens: list[int], n: int):
     """The target's snapshot of the decoder's linear layers after positions 0..n-1 (None: no such layers)."""
-    return snapshots(target, drafter.decoder, tokens, [n])[n] if drafter.state_layers else None
+    return snapshots(target, drafter.decoder, tokens, [n])[n] if drafter.layout.state_layers else None
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -140,7 +140,7 @@ def test_foresee_batch_gives_each_request_what_foresee_gives_alone(arch):
             assert [e.score for e in g] == pytest.approx([e.score for e in w], abs=ATOL)
         for seq, block, ca, cb in zip(seqs, blocks, ctx_a, ctx_b):  # the target accepts 2 drafts (the truth)
             n = len(ca.tokens) - 1
-            truth = true_states(target, seq[:n + 3], together.hidden_layers)
+            truth = true_states(target, seq[:n + 3], together.layout.layers)
             for ctx in (ca, cb):
                 ctx.last_block = Draft(block)
                 ctx.absorb(2, seq[n + 3], truth[n:n + 3], linear_states(target, together, seq, n + 3))
@@ -199,7 +199,7 @@ def test_a_request_whose_part_fails_fails_alone():
         worker = DrafterWorker(EngineConfig(drafter="ngram", verify_length="max"), addrs, drafter, zctx)
         for i, prompt in enumerate(prompts):
             worker.on_start(StartDraft(req_id=f"r{i}", prompt_ids=prompt, seed=i,
-                                       hidden=true_states(target, prompt, drafter.hidden_layers)))
+                                       hidden=true_states(target, prompt, drafter.layout.layers)))
         worker.handle([Outcome(req_id=f"r{i}", round=1, accepted=0, bonus=7, max_drafts=5, strategy="pipelined")
                        for i in range(3)])
         blocks = [from_drafter.recv(timeout_ms=5000) for _ in range(3)]
@@ -216,7 +216,7 @@ def test_a_request_whose_part_fails_fails_alone():
     for req_id in ("r0", "r2"):
         prompt = prompts[int(req_id[1])]
         ctx = DraftContext(req_id=req_id, tokens=prompt + [7], seed=int(req_id[1]), pipelined=True,
-                           hidden=[true_states(target, prompt, fresh.hidden_layers)])
+                           hidden=[true_states(target, prompt, fresh.layout.layers)])
         fresh.add_request(ctx)
         assert fresh.propose(ctx, 5).tokens == blocks[req_id]  # the fallback draft (it draws noise too)
         want = fresh.foresee(ctx, blocks[req_id], 5, 0.0)

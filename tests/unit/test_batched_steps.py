@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from foresight.config import EngineConfig
-from foresight.protocol.messages import AbortRequest, GenerateRequest, SamplingParams, TokenOutput
+from foresight.protocol.messages import AbortRequest, GenerateRequest, HiddenLayout, SamplingParams, TokenOutput
 from foresight.target_worker.batched_kv import SPARE_COLUMNS
 from foresight.target_worker.runner import TargetRunner
 from support.inprocess import InProcessEngine
@@ -40,7 +40,7 @@ def prefilled(runner: TargetRunner, prompt: list[int]):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_verify_batch_gives_what_each_verify_gives(arch):
     model = tiny_model(arch)
-    runner = TargetRunner(model, hidden_layers=[1, 2])
+    runner = TargetRunner(model, HiddenLayout((1, 2), model.config.hidden_size))
     blocks = [[7, 8, 9], [4], [1, 2, 3, 4, 5], [9, 9]]  # lengths differ: rows are padded
     alone = []
     for prompt, block in zip(PROMPTS, blocks):

@@ -161,7 +161,7 @@ def test_checkpoint_roundtrip(target, tmp_path):
 def test_proposer_absorbs_rounds_incrementally(target):
     model = make_drafter(target)
     proposer = JetSpecProposer(model, passes=1)
-    assert proposer.hidden_layers == model.config.target_layers
+    assert proposer.layout.layers == tuple(model.config.target_layers) and proposer.columns is None  # all, in order
     states = states_for(model, 12)
     ctx = DraftContext(req_id="r", tokens=list(range(1, 9)), seed=7, hidden=[states[:7]])  # 8 tokens, anchor last
     first = proposer.propose(ctx, 5)
@@ -175,6 +175,67 @@ def test_proposer_absorbs_rounds_incrementally(target):
     assert proposer.propose(ctx, 0) == Draft()
     proposer.release("r")
     assert set(proposer.requests) == {"s"}
+
+
+def test_commit_takes_the_rounds_states_and_the_next_draft_absorbs_them(target):
+    """`commit` takes a round's states out of the context without running the draft model; the next draft
+    absorbs them. States no commit took (it failed, or was not called) the next draft takes from the
+    context; states the draft model failed on stay pending, in order, for the next try."""
+    model = make_drafter(target)
+    proposer = JetSpecProposer(model, passes=1)
+    states = states_for(model, 14)
+    ctx = DraftContext(req_id="r", tokens=list(range(1, 9)), seed=7, hidden=[states[:7]])
+    proposer.add_request(ctx)
+    state = proposer.state(ctx)
+    ctx.last_block = proposer.propose(ctx, 5)
+    ctx.absorb(2, 40, states[7:10])
+    proposer.commit(ctx)
+    assert ctx.hidden == [] and state.positions == 7 and len(state.pending) == 1  # taken, not yet absorbed
+    ctx.last_block = proposer.propose(ctx, 5)
+    assert state.positions == 10 == len(ctx.tokens) - 1 and state.pending == []
+    ctx.absorb(1, 41, states[10:12])  # no commit: the next draft takes them from the context
+    real, calls = model.extend_context, []
+
+    def fails_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("draft model failed")
+        return real(*args)
+
+    model.extend_context = fails_once
+    with pytest.raises(RuntimeError):
+        proposer.propose(ctx, 3)
+    assert [len(chunk) for chunk in state.pending] == [2] and state.positions == 10  # kept for the next try
+    ctx.last_block = Draft()
+    ctx.absorb(0, 42, states[12:13])
+    proposer.commit(ctx)
+    proposer.propose(ctx, 3)
+    assert state.positions == 13 == len(ctx.tokens) - 1 and state.pending == []
+    torch.testing.assert_close(calls[-1][1], states[10:13])  # both chunks, in order, in one pass
+
+
+def test_a_failing_commit_costs_nothing_but_its_log(target):
+    """The worker commits every outcome; a commit that raises leaves the states to the next draft, and the
+    output stays plain greedy."""
+
+    class FailingCommits(JetSpecProposer):
+        commits = 0
+
+        def commit(self, ctx):
+            self.commits += 1
+            if self.commits % 2:
+                raise RuntimeError("commit failed")
+            super().commit(ctx)
+
+    proposer = FailingCommits(make_drafter(target), passes=1)
+    engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=6), proposer=proposer)
+    try:
+        for prompt in PROMPTS:
+            got = engine.generate(prompt, 20, mode="sync", temperature=0.0)
+            assert got["tokens"] == plain_greedy(target, prompt, 20, eos=target.config.eos_token_id)
+    finally:
+        engine.close()
+    assert proposer.commits >= len(PROMPTS)
 
 
 def test_resolve_drafter_path(tmp_path, target, monkeypatch):

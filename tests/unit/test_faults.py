@@ -18,7 +18,7 @@ import zmq
 from foresight.config import ConfigError, EngineConfig, ServerConfig
 from foresight.protocol.leftovers import sweep_stale
 from foresight.protocol.liveness import Heartbeats as WorkerHeartbeats
-from foresight.protocol.messages import Heartbeat, TokenOutput, WorkerReady
+from foresight.protocol.messages import Heartbeat, HiddenLayout, TokenOutput, WorkerReady
 from foresight.protocol.owner import owner_tag, parse_owner, pid_namespace
 from foresight.server.faults import HeartbeatMonitor, RestartBudget
 from foresight.server.shutdown import Drain
@@ -180,8 +180,8 @@ def fake_supervisor(events: Events, max_restarts=5) -> Supervisor:
         if name in sup.fail_starts:
             handle.process.exitcode = 1
             raise WorkerStartError(f"{name} worker exited during start-up")
-        handle.ready = WorkerReady(worker=name, pid=handle.process.pid, info={
-            "hidden_layers": [1], "strategies": ["ar", "sync"], "auto_strategies": ["ar", "sync"]})
+        handle.ready = WorkerReady(worker=name, pid=handle.process.pid, layout=HiddenLayout((1,), 8), info={
+            "strategies": ["ar", "sync"], "auto_strategies": ["ar", "sync"]})
         sup.heartbeats.watch(name)
         sup._set_state(name, UP)
         return handle.ready

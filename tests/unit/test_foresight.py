@@ -69,13 +69,13 @@ def greedy_outcome(target, tokens: list[int], block: list[int]) -> tuple[int, in
     return k, top[k]
 
 
-def test_construction_checks_and_hidden_layers(target, sequences):
+def test_construction_checks_and_layout(target, sequences):
     model = make_draft_model(target)
     drafter = make_drafter(target, sequences)
     assert drafter.supports_foresight and not JetSpecProposer(model).supports_foresight
-    assert model.config.target_layers == [1, 3] and drafter.hidden_layers == [1, 3]
+    assert model.config.target_layers == [1, 3] and drafter.layout.layers == (1, 3)
     wide = ForesightDrafter(model, OracleAdapter(target, [1, 2], sequences), ForesightDecoder(target, 1))
-    assert wide.hidden_layers == [1, 2, 3]
+    assert wide.layout.layers == (1, 2, 3)
     with pytest.raises(ValueError, match="must also predict index 2"):  # decoder reads 2, adapter predicts 1
         ForesightDrafter(model, OracleAdapter(target, [1], sequences), ForesightDecoder(target, 1))
     with pytest.raises(ValueError, match=r"\[1\] are neither predicted"):  # draft model reads index 1
@@ -93,7 +93,7 @@ def test_deeper_decoder_drops_adapter_stages_and_feeds_the_draft_model(target, s
     model = DraftModel(cfg, SharedWeights.from_target(target)).eval()
     drafter = ForesightDrafter(model, OracleAdapter(target, [1, 2], sequences), ForesightDecoder(target, 2))
     assert drafter.adapter.target_indices == [1] and drafter.adapter_indices == [1]
-    assert drafter.hidden_layers == [1, 2, 3] and drafter.decoder.input_index == 1
+    assert drafter.layout.layers == (1, 2, 3) and drafter.decoder.input_index == 1
     seq, p = sequences[0], len(PROMPTS[0])
     truth = true_states(target, seq, [1, 2, 3])
     ctx = DraftContext(req_id="r", tokens=seq[:p + 1], seed=0, hidden=[truth[:p]])
@@ -106,7 +106,7 @@ def test_pipelined_miss_drafts_before_the_adapter_and_decoder_absorb(target, seq
     for it); foresight absorbs the same states into the adapter and decoder afterwards."""
     drafter = make_drafter(target, sequences)
     seq, p = sequences[0], len(PROMPTS[0])
-    truth = true_states(target, seq, drafter.hidden_layers)
+    truth = true_states(target, seq, drafter.layout.layers)
     ctx = DraftContext(req_id="r", tokens=seq[:p + 1], seed=0, hidden=[truth[:p]], pipelined=True)
     block = drafter.propose(ctx, GAMMA).tokens
     state = drafter.state(ctx)
@@ -137,7 +137,7 @@ def test_perfect_foresight_names_and_predrafts_the_realised_outcome(target, sequ
                            temperature=0.0, refinement="none")  # refinement would edit the blocks
     seq = sequences[0]
     p = len(PROMPTS[0])
-    truth = true_states(target, seq, drafter.hidden_layers)
+    truth = true_states(target, seq, drafter.layout.layers)
     ctx = DraftContext(req_id="r", tokens=seq[:p + 1], seed=3, hidden=[truth[:p]])
     ks, costs = [], []
     for r in range(10):
@@ -170,7 +170,7 @@ def test_batched_outcomes_equal_one_at_a_time(target, sequences):
     drafter = make_drafter(target, sequences)
     seq = sequences[1]
     p = len(PROMPTS[1])
-    truth = true_states(target, seq, drafter.hidden_layers)
+    truth = true_states(target, seq, drafter.layout.layers)
     ctx = DraftContext(req_id="r", tokens=seq[:p + 1], seed=3, hidden=[truth[:p]])
     state = drafter.absorb(ctx)
     g = torch.Generator().manual_seed(0)

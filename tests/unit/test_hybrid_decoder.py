@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from foresight.models.decoder import ForesightDecoder
+from foresight.protocol.messages import HiddenLayout
 from foresight.target_worker.runner import TargetRunner
 from support.tiny_models import VOCAB, tiny_model
 
@@ -36,7 +37,7 @@ def true_run(model, ids, index):
 
 def snapshots(model, dec, ids, cuts):
     """The target worker's snapshots after prefilling ids[:cuts[0]] and extending to each later cut."""
-    runner = TargetRunner(model, [], state_layers=dec.linear_layers, logits="model")
+    runner = TargetRunner(model, HiddenLayout(state_layers=tuple(dec.linear_layers)), logits="model")
     cache, done, snaps = runner.new_cache(), 0, {}
     for cut in cuts:
         runner.forward(cache, ids[done:cut])

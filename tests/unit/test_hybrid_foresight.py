@@ -48,7 +48,7 @@ def scripted_drafter(target, sequences: list[list[int]] | None) -> ScriptedFores
 def test_pipelined_greedy_equals_plain_greedy_and_foresight_hits(target):
     want = plain_greedy(target, PROMPT, NEW, eos=target.config.eos_token_id)
     drafter = scripted_drafter(target, [PROMPT + want])
-    assert drafter.state_layers == [2]
+    assert drafter.layout.state_layers == (2,)
     engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter,
                              foresight_to_completion=True)
     try:
@@ -185,6 +185,6 @@ def test_worker_processes_serve_a_hybrid_target_in_every_mode(tmp_path):
         finally:
             await engine.stop()
 
-    got, drafter_info = asyncio.run(serve())
-    assert drafter_info["state_layers"] == [2] and drafter_info["supports_foresight"]
+    got, drafter = asyncio.run(serve())
+    assert drafter.layout.state_layers == (2,) and drafter.info["supports_foresight"]
     assert got == {"ar": want, "sync": want, "pipelined": want}

@@ -1,6 +1,7 @@
 from foresight.drafter_worker.ngram import NgramProposer, lookup, lookup_match
 from foresight.drafter_worker.proposer import Draft, DraftContext, StatelessProposer
 from foresight.drafter_worker.strategies import HybridProposer
+from foresight.protocol.messages import HiddenLayout
 
 
 def test_longest_most_recent_match_wins():
@@ -30,7 +31,7 @@ def test_inside_a_run_an_earlier_occurrence_gives_the_whole_continuation():
 
 def test_hybrid_drafts_by_lookup_on_a_long_match_else_by_the_model():
     class Model(StatelessProposer):
-        name, hidden_layers, supports_foresight = "m", [1], False
+        name, layout, supports_foresight = "m", HiddenLayout((1,), 4), False
 
         def propose(self, ctx, max_drafts):
             return Draft([99] * max_drafts, [0.9] * max_drafts)
@@ -40,4 +41,4 @@ def test_hybrid_drafts_by_lookup_on_a_long_match_else_by_the_model():
     assert hybrid.propose(repeat, 2) == Draft([4, 8])  # no confidences from a lookup
     short = DraftContext(req_id="s", tokens=[1, 2, 3, 4, 8, 2, 3], seed=0)  # only a 2-gram repeats
     assert hybrid.propose(short, 2) == Draft([99, 99], [0.9, 0.9])
-    assert hybrid.hidden_layers == [1]
+    assert hybrid.layout == HiddenLayout((1,), 4)  # the model's: the target sends what it reads

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import msgpack
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from foresight.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, ProtocolError, decode, encode, peek_kind
+from foresight.protocol.kinds import Mode, Refinement, Strategy
 from foresight.protocol.messages import (
     AbortRequest,
     DraftBlock,
@@ -16,6 +18,7 @@ from foresight.protocol.messages import (
     DrafterStatus,
     GenerateRequest,
     Heartbeat,
+    HiddenLayout,
     LinearStates,
     Outcome,
     ReleaseDraft,
@@ -43,6 +46,9 @@ EXAMPLES = [
                                    cache_hit=False)]),
     RequestFailed(req_id="r2", error="OOM", status=503),
     WorkerReady(worker="target", pid=123, info={"model": "m", "layers": [1, 2], 7: None, "nested": {"a": 1.5}}),
+    WorkerReady(worker="drafter", pid=124, info={"proposer": "jetspec++"},
+                layout=HiddenLayout(layers=(3, 15, 27, 30), hidden_size=576, state_layers=(2,))),
+    HiddenLayout(),
     WorkerDead(worker="drafter", error="RuntimeError", pid=77),
     Heartbeat(worker="target", pid=123, stalled_s=1.5),
     DrafterStatus(up=False, reason="hung: no heartbeat for 10.2 s"),
@@ -81,6 +87,24 @@ def test_round_trip_is_exact(msg):
     out = decode(frames)
     assert type(out) is type(msg)
     assert out == msg
+
+
+def test_hidden_layout_columns_and_checks():
+    layout = HiddenLayout([1, 3, 4], 2, [2])  # lists, as decoded: kept as tuples
+    assert (layout.layers, layout.state_layers, layout.width) == ((1, 3, 4), (2,), 6)
+    hidden = torch.arange(12.0).reshape(2, 6)  # [positions, width]
+    assert layout.columns([4, 1]).tolist() == [4, 5, 0, 1] and layout.columns([]).tolist() == []
+    assert torch.equal(layout.select(hidden, [3]), hidden[:, 2:4])
+    forward = [torch.full((1, 2, 2), float(i)) for i in range(5)]  # hidden_states: [1, positions, hidden] per index
+    assert layout.concat(forward)[0, 0].tolist() == [1, 1, 3, 3, 4, 4]
+    with pytest.raises(ValueError, match="not in the layout"):
+        layout.columns([2])
+    for bad in (dict(layers=[3, 1], hidden_size=2), dict(layers=[1, 1], hidden_size=2),
+                dict(layers=[-1], hidden_size=2), dict(state_layers=[4, 2]), dict(layers=[1])):
+        with pytest.raises(ValueError):
+            HiddenLayout(**bad)
+    with pytest.raises(FrozenInstanceError):
+        layout.hidden_size = 3
 
 
 def test_nested_messages_come_back_as_dataclasses():
@@ -155,6 +179,26 @@ def test_unencodable_values_are_rejected():
         encode({"req_id": "x"})
     with pytest.raises(ProtocolError, match="cannot encode"):
         encode(WorkerReady(worker="w", pid=1, info={"x": object()}))
+
+
+def test_kinds_travel_as_strings_and_come_back_as_enums():
+    msg = Outcome(req_id="r1", round=2, accepted=1, bonus=9, max_drafts=4, strategy="pipelined")
+    assert msg.strategy is Strategy.PIPELINED
+    frames = encode(msg)
+    assert msgpack.unpackb(frames[1])[1]["strategy"] == "pipelined"
+    assert decode(frames).strategy is Strategy.PIPELINED
+    req = decode(encode(GenerateRequest(req_id="r", prompt_ids=[1], max_tokens=2, sampling=SamplingParams(),
+                                        mode="auto", refinement="refresh")))
+    assert (req.mode, req.refinement) == (Mode.AUTO, Refinement.REFRESH) and type(req.mode) is Mode
+
+
+def test_a_bad_kind_is_rejected_where_it_enters():
+    with pytest.raises(ValueError, match="mode must be one of ar, sync, pipelined, ngram, hybrid, auto"):
+        GenerateRequest(req_id="r", prompt_ids=[1], max_tokens=2, sampling=SamplingParams(), mode="fast")
+    stats = RoundStats(drafted=0, accepted=0, nucleus_extra=0, verify_s=0.0, exposed_draft_s=None, cache_hit=None)
+    version, fields = msgpack.unpackb(encode(stats)[1])
+    with pytest.raises(ProtocolError, match="strategy must be one of"):
+        decode([b"round_stats", msgpack.packb([version, {**fields, "strategy": "fast"}])])
 
 
 def test_no_pickle_on_the_wire():

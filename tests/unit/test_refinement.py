@@ -19,9 +19,9 @@ from foresight.drafter_worker.budget import Plan, StepCosts, plan_round
 from foresight.drafter_worker.costs import RunningCost
 from foresight.models.draft_model import ContextKV, draw_noise
 from foresight.drafter_worker.proposer import DraftContext
-from foresight.config import REFINEMENTS as MODES
 from foresight.drafter_worker.refinement import Refiner
 from foresight.protocol import decode, encode
+from foresight.protocol.kinds import Refinement
 from foresight.protocol.messages import GenerateRequest, RequestFailed, SamplingParams, StartDraft, TokenOutput
 from support.inprocess import InProcessEngine
 from support.tiny_models import VOCAB
@@ -51,7 +51,7 @@ REQUEST_IDS = itertools.count()
 def start(target, sequences, drafter, cls=DraftContext, **kw):
     """A new request after its prompt and one committed token: (ctx, state, block under verification)."""
     seq, p = sequences[0], len(PROMPTS[0])
-    truth = true_states(target, seq, drafter.hidden_layers)
+    truth = true_states(target, seq, drafter.layout.layers)
     ctx = cls(req_id=f"r{next(REQUEST_IDS)}", tokens=seq[:p + 1], seed=3, hidden=[truth[:p]], **kw)
     block = seq[p + 1:p + 1 + GAMMA]
     block[2] = (block[2] + 1) % VOCAB  # verification of this block ends at k = 2
@@ -341,7 +341,7 @@ def test_the_drafter_worker_sees_a_waiting_message(target, sequences):
 # ---------------------------------------------------------------- end to end
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", Refinement.values())
 def test_pipelined_greedy_is_lossless_with_each_mode(target, sequences, mode):
     drafter = make_drafter(target, sequences, foresight_passes=2, cache_size=2, temperature=0.0,
                            refinement=mode, use_budget=False)
@@ -367,7 +367,7 @@ def test_pipelined_greedy_is_lossless_with_each_mode(target, sequences, mode):
 
 def test_the_request_mode_travels_to_the_drafter(target, sequences):
     """GenerateRequest.refinement -> StartDraft.refinement -> the drafter's per-request context; a bad one
-    is refused with 400."""
+    cannot be built (nor decoded: test_protocol)."""
     drafter = make_drafter(target, sequences, foresight_passes=1, cache_size=2, temperature=0.0, use_budget=False)
     engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter,
                              foresight_to_completion=True)
@@ -381,15 +381,17 @@ def test_the_request_mode_travels_to_the_drafter(target, sequences):
     engine.drafter.handlers[StartDraft] = record
     try:
         outs = {}
-        for rid, value in [("a", "none"), ("b", None), ("c", "sideways")]:
+        for rid, value in [("a", "none"), ("b", None)]:
             engine.send_to_target.send(GenerateRequest(req_id=rid, prompt_ids=PROMPTS[0], max_tokens=20,
                                                        sampling=SamplingParams(temperature=0.0), mode="pipelined",
                                                        refinement=value))
             outs[rid] = collect(engine, rid)
     finally:
         engine.close()
-    assert seen == ["none", None]
-    assert isinstance(outs["c"], RequestFailed) and outs["c"].status == 400
+    assert seen == ["none", None] and seen[0] is Refinement.NONE
+    with pytest.raises(ValueError, match="refinement must be one of none, refresh, anchor"):
+        GenerateRequest(req_id="c", prompt_ids=PROMPTS[0], max_tokens=20, sampling=SamplingParams(),
+                        refinement="sideways")
     assert all(r.refreshes == 0 for r in outs["a"]) and sum(r.refreshes for r in outs["b"]) > 0
 
 

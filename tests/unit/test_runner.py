@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from foresight.protocol.messages import HiddenLayout
 from foresight.target_worker.runner import TargetRunner
 from support.tiny_models import tiny_model
 
@@ -29,3 +30,19 @@ def test_verify_rollback_then_continue_matches_full_forward(arch, rejected):
     with torch.inference_mode():
         full = model(torch.tensor([prompt + [anchor] + draft])).logits[0, -5:].float()
     torch.testing.assert_close(result.logits, full, atol=1e-4, rtol=1e-4)
+
+
+def test_the_layout_must_fit_the_target():
+    """A drafter built for another target (another width, or state layers that are not linear attention) is
+    refused when the runner is built, not at the first forward."""
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="width"):
+        TargetRunner(model, HiddenLayout((1,), model.config.hidden_size + 1))
+    with pytest.raises(ValueError, match="linear-attention"):
+        TargetRunner(model, HiddenLayout(state_layers=(1,)))
+    runner = TargetRunner(model, HiddenLayout((0, 2), model.config.hidden_size))
+    result = runner.prefill(runner.new_cache(), [5, 6, 7])
+    with torch.inference_mode():
+        states = model(torch.tensor([[5, 6, 7]]), output_hidden_states=True).hidden_states
+    assert result.hidden.shape == (3, runner.layout.width)
+    torch.testing.assert_close(runner.layout.select(result.hidden, [2]), states[2][0])

@@ -273,7 +273,7 @@ def test_eval_loop_is_lossless_and_counts_rounds(data_dir, target, tmp_path):
     data = LabelledData(data_dir)
     model = build_model(target, data, TrainSettings(num_layers=1, block_size=8, context_window=32, vocab_subset=0))
     proposer = JetSpecProposer(model.eval(), passes=1)
-    runner = TargetRunner(target, proposer.hidden_layers)
+    runner = TargetRunner.for_proposer(target, proposer)
     prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
     ref, gaps = greedy_reference(runner, prompt, 24, [VOCAB - 1])
     assert ref == plain_greedy(target, prompt, 24, VOCAB - 1)  # the cached reference is the uncached one

@@ -131,7 +131,7 @@ def test_config_and_cli_flag():
 def test_jetspec_proposer_reports_confidence_and_drops_absorbed_states():
     target = tiny_model("llama")
     proposer = JetSpecProposer(make_draft_model(target), passes=1)
-    states = torch.randn(12, len(proposer.hidden_layers) * target.config.hidden_size)
+    states = torch.randn(12, proposer.layout.width)
     ctx = DraftContext(req_id="r", tokens=list(range(1, 9)), seed=7, hidden=[states[:7]])
     block = proposer.propose(ctx, 5)
     assert len(block.confidence) == len(block) == 5 and all(0 < c <= 1 for c in block.confidence)
