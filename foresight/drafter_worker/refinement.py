@@ -78,7 +78,7 @@ class Refiner:
         over the request's true context; confidence [B, m]: the draft model's top-1 probability of each
         draft (the verify-length controller's evidence), dropped for a row once refinement edits it."""
         self.rows, self.y0, self.block = rows, y0, list(block)
-        self.outcomes, self.mode = list(outcomes), Refinement.parse(mode, "refinement")
+        self.outcomes, self.mode = list(outcomes), mode
         self.drafts = drafts.detach().to("cpu", torch.long).clone()  # [B, m] full-vocab ids
         b = self.drafts.shape[0]
         self.fixed = [0] * b  # leading draft positions fixed for the rest of the round (0..m)

@@ -25,6 +25,8 @@ decides alone (no policy), as does a batch of plain ("ar") requests only.
 """
 from __future__ import annotations
 
+from ..protocol.kinds import Mode, Strategy
+
 POLICIES = ("draft", "lookup", "plain")
 TARGET_ALONE = ("lookup", "plain")  # the policies under which no round waits for the drafter
 WINDOW_STEPS = 36  # target steps per measured window (request arrivals and prefills make short ones noisy)
@@ -65,9 +67,9 @@ class LoadPolicy:
         """Whether rounds run on the target alone (no round waits for the drafter)."""
         return self.current in TARGET_ALONE
 
-    def held_strategy(self, mode: str) -> str:
+    def held_strategy(self, mode: Mode) -> Strategy:
         """The strategy a round of a request of `mode` runs while the policy holds it to the target alone."""
-        return "ngram" if self.current == "lookup" and mode in ("auto", "ngram") else "ar"
+        return Strategy.NGRAM if self.current == "lookup" and mode in (Mode.AUTO, Mode.NGRAM) else Strategy.AR
 
     def observe(self, running: int, contested: bool, tokens: int, seconds: float) -> None:
         """One target step (with the idle time before it) committed `tokens` in `seconds` while `running`

@@ -148,7 +148,7 @@ class TargetWorker:
         """Tell the load policy what the step (and the idle time before it) committed."""
         now = time.perf_counter()
         if self.policy is not None:
-            contested = any(s.mode != "ar" for s in self.requests.values())  # else every policy is plain steps
+            contested = any(s.mode != Mode.AR for s in self.requests.values())  # else every policy is plain steps
             self.policy.observe(len(self.requests), contested, self.step_tokens, now - self.step_ended)
         self.step_tokens, self.step_ended = 0, now
 
