@@ -1,11 +1,16 @@
 """`foresight bench --concurrency 1,4,8,16`: streaming clients against a real `foresight serve`.
 
 For each mode in --modes a server subprocess is started with the bench's engine flags and `--mode <mode>`
-(the OpenAI API has no per-request mode: a mode is a server setting). After /health answers 200 and one
-warm-up request, each concurrency level L runs L clients that take requests from one shared list (the
-prompts, cycled) until the level's requests are spent; every request streams with usage. Per level and mode:
-aggregate output tokens/s over the level's wall time, TTFT, inter-chunk latency (ITL) and TPOT percentiles
-(as vLLM's benchmark_serving), and the count of answered, rejected (429) and failed requests.
+(the OpenAI API has no per-request mode: a mode is a server setting); all of them run for the whole bench.
+After each answers /health with 200 and one warm-up request, every concurrency level L is run against the
+modes in turn: L clients take requests from one shared list (the prompts, cycled) until the level's requests
+are spent; every request streams with usage. With --load-repeats R each level runs R times per mode, the
+modes' order rotated each time, so that drift on a shared machine (other tenants, heat) falls on every mode
+alike and the ratios against `ar` compare runs made minutes apart, not a whole bench apart.
+Per level and mode: aggregate output tokens/s over the level's wall time (the median of the repeats, every
+repeat kept), TTFT, inter-chunk latency (ITL) and TPOT percentiles (as vLLM's benchmark_serving), and the
+count of answered, rejected (429) and failed requests; per level, each mode's tokens/s over `ar`'s in the
+same repeat (`ratios_vs_ar`).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
 from ..config import API_KEY_ENV, ConfigError, EngineConfig, add_engine_args
 from ..protocol.kinds import Mode
@@ -136,6 +142,41 @@ def summarise_level(results: list[RequestResult], wall_s: float) -> dict:
         "latency_ms_p50": _ms(percentile([r.latency for r in ok], 50)),
         "error_examples": examples,
     }
+
+
+def run_order(modes: list[str], repeat: int) -> list[str]:
+    """The modes' order in repeat `repeat` (from 0): rotated by one place per repeat, so that over len(modes)
+    repeats each mode runs once in each place."""
+    k = repeat % len(modes)
+    return modes[k:] + modes[:k]
+
+
+def merge_runs(runs: list[tuple[list[RequestResult], float]]) -> dict:
+    """The report fields of one (level, mode) over its repeats, each (results, wall_s): percentiles over all
+    repeats' requests pooled; tokens/s the median of the repeats' own figures, which are kept as
+    `tokens_per_s_runs`."""
+    fields = summarise_level([r for results, _ in runs for r in results], sum(wall_s for _, wall_s in runs))
+    rates = [summarise_level(results, wall_s)["tokens_per_s"] for results, wall_s in runs]
+    known = [x for x in rates if x is not None]
+    fields["tokens_per_s"] = median(known) if known else None
+    fields["tokens_per_s_runs"] = [None if x is None else round(x, 3) for x in rates]
+    return fields
+
+
+def ratios_vs_ar(section: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
+    """Per level and mode: its tokens/s over `ar`'s in each repeat (runs of one repeat are minutes apart), and
+    the median of those ratios. Empty without mode `ar`."""
+    out: dict[str, dict[str, dict]] = {}
+    for level, modes in section.items():
+        ar_runs = modes.get(Mode.AR.value, {}).get("tokens_per_s_runs")
+        if not ar_runs:
+            continue
+        for mode, fields in modes.items():
+            pairs = zip(fields["tokens_per_s_runs"], ar_runs)
+            runs = [round(x / a, 4) for x, a in pairs if x is not None and a]
+            if mode != Mode.AR.value and runs:
+                out.setdefault(level, {})[mode] = {"median": median(runs), "runs": runs}
+    return out
 
 
 def parse_event(data: str) -> tuple[str, int | None, str | None]:
@@ -338,6 +379,9 @@ async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
         raise ConfigError(f"modes: unknown or no mode(s) {bad}; choose from {', '.join(Mode.values())}")
     if args.load_requests is not None and args.load_requests < 1:
         raise ConfigError("load_requests must be >= 1")
+    repeats = getattr(args, "load_repeats", 1)
+    if repeats < 1:
+        raise ConfigError("load_repeats must be >= 1")
     items = load_prompts(args.prompts, args.limit)
     if not items:
         raise ConfigError("prompts: no prompts to send")
@@ -348,36 +392,46 @@ async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     section: dict[str, dict[str, dict]] = {str(level): {} for level in levels}
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        for mode in modes:  # one server per mode: its own --mode
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client, contextlib.AsyncExitStack() as stack:
+        bases = {}
+        for mode in modes:  # one server per mode (its own --mode), all up for the whole bench
             log_path = out.with_name(f"{out.stem}.server-{mode}.log")
-            async with running_server(cfg, mode, log_path, extra, client) as base:
-                path, body = request_body(items[0], 0, args)
-                warm = await one_request(client, base, path, body, headers)
-                if warm.status != "ok":
-                    print(f"[load] {mode}: the warm-up request failed: {warm.error}", flush=True)
-                for level in levels:
-                    before = await strategy_rounds(client, base)
-                    results, wall_s = await run_level(client, base, items, level, n_per_level[level], args, headers)
-                    fields = summarise_level(results, wall_s)
-                    after = await strategy_rounds(client, base)
-                    fields["strategy_rounds"] = {s: int(n - before.get(s, 0.0)) for s, n in sorted(after.items())
-                                                 if n > before.get(s, 0.0)}
-                    section[str(level)][mode] = fields
-                    tps = fields["tokens_per_s"]
-                    print(f"[load] {mode} @ {level}: {fields['ok']}/{fields['requests']} ok, "
-                          f"{fields['rejected']} rejected, {fields['errors']} errors, "
-                          f"{tps or 0:.1f} tok/s, TTFT p50 {fields['ttft_ms_p50']} ms, "
-                          f"ITL p50 {fields['itl_ms_p50']} ms, rounds {fields['strategy_rounds']}", flush=True)
+            bases[mode] = await stack.enter_async_context(running_server(cfg, mode, log_path, extra, client))
+            path, body = request_body(items[0], 0, args)
+            warm = await one_request(client, bases[mode], path, body, headers)
+            if warm.status != "ok":
+                print(f"[load] {mode}: the warm-up request failed: {warm.error}", flush=True)
+        for level in levels:
+            runs: dict[str, list] = {mode: [] for mode in modes}
+            rounds: dict[str, dict[str, float]] = {mode: {} for mode in modes}
+            for repeat in range(repeats):
+                for mode in run_order(modes, repeat):
+                    before = await strategy_rounds(client, bases[mode])
+                    run = await run_level(client, bases[mode], items, level, n_per_level[level], args, headers)
+                    after = await strategy_rounds(client, bases[mode])
+                    for s, n in after.items():
+                        rounds[mode][s] = rounds[mode].get(s, 0.0) + n - before.get(s, 0.0)
+                    runs[mode].append(run)
+                    one = summarise_level(*run)
+                    print(f"[load] {mode} @ {level} (run {repeat + 1}/{repeats}): {one['ok']}/{one['requests']} ok, "
+                          f"{one['rejected']} rejected, {one['errors']} errors, {one['tokens_per_s'] or 0:.1f} tok/s, "
+                          f"TTFT p50 {one['ttft_ms_p50']} ms, ITL p50 {one['itl_ms_p50']} ms", flush=True)
+            for mode in modes:
+                fields = merge_runs(runs[mode])
+                fields["strategy_rounds"] = {s: int(n) for s, n in sorted(rounds[mode].items()) if n > 0}
+                section[str(level)][mode] = fields
+                print(f"[load] {mode} @ {level}: median {fields['tokens_per_s'] or 0:.1f} tok/s over "
+                      f"{fields['tokens_per_s_runs']}, rounds {fields['strategy_rounds']}", flush=True)
     return {
         "model": str(cfg.target or "SmolLM2-135M-Instruct (embedded default)"),
         "drafter": cfg.drafter,
         "machine": machine_info(cfg),
         "settings": {"prompts": args.prompts, "n_prompts": len(items), "temperature": args.temperature,
                      "max_tokens": args.max_tokens, "block_size": cfg.block_size, "verification": cfg.verification,
-                     "modes": modes, "seed": args.seed, "concurrency": levels,
+                     "modes": modes, "seed": args.seed, "concurrency": levels, "repeats": repeats,
                      "requests_per_level": {str(k): v for k, v in n_per_level.items()},
                      "server_args": extra, "batched_steps": cfg.batched_steps,
                      "max_num_batched_tokens": cfg.max_num_batched_tokens},
         "concurrency": section,
+        "ratios_vs_ar": ratios_vs_ar(section),
     }

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 LEVEL_FIELDS = {"requests", "ok", "rejected", "errors", "output_tokens", "wall_s", "tokens_per_s", "ttft_ms_p50",
                 "ttft_ms_p90", "itl_ms_p50", "itl_ms_p90", "tpot_ms_p50", "latency_ms_p50", "error_examples",
-                "strategy_rounds"}
+                "strategy_rounds", "tokens_per_s_runs"}
 
 
 def test_load_bench_report(tmp_path):
@@ -25,7 +25,7 @@ def test_load_bench_report(tmp_path):
     ]))
     out = tmp_path / "load.json"
     cmd = [sys.executable, "-m", "foresight.server.cli", "bench", "--prompts", str(prompts), "--modes", "ar",
-           "--concurrency", "1,2", "--max-tokens", "8", "--temperature", "0", "--dtype", suite_dtype(),
+           "--concurrency", "1,2", "--load-repeats", "2", "--max-tokens", "8", "--temperature", "0", "--dtype", suite_dtype(),
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -36,11 +36,14 @@ def test_load_bench_report(tmp_path):
     settings = report["settings"]
     assert settings["concurrency"] == [1, 2] and settings["modes"] == ["ar"]
     assert settings["requests_per_level"] == {"1": 2, "2": 4}  # max(2 x level, prompts)
+    assert settings["repeats"] == 2
     assert set(report["concurrency"]) == {"1", "2"}
+    assert report["ratios_vs_ar"] == {}  # no mode beside ar
     for level in ("1", "2"):
         fields = report["concurrency"][level]["ar"]
         assert set(fields) == LEVEL_FIELDS
-        assert fields["requests"] == settings["requests_per_level"][level]
+        assert fields["requests"] == 2 * settings["requests_per_level"][level]  # both repeats pooled
+        assert len(fields["tokens_per_s_runs"]) == 2 and all(x > 0 for x in fields["tokens_per_s_runs"])
         assert fields["ok"] == fields["requests"], fields["error_examples"]
         assert fields["rejected"] == 0 and fields["errors"] == 0
         assert fields["output_tokens"] > 0 and fields["tokens_per_s"] > 0

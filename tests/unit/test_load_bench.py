@@ -57,6 +57,37 @@ def test_summarise_level_counts_and_rates():
     assert s["error_examples"] == ["HTTP 429: busy", "HTTP 500: boom"]
 
 
+def test_run_order_rotates_the_modes():
+    modes = ["ar", "sync", "auto"]
+    orders = [load.run_order(modes, r) for r in range(4)]
+    assert orders == [["ar", "sync", "auto"], ["sync", "auto", "ar"], ["auto", "ar", "sync"], ["ar", "sync", "auto"]]
+    assert all(sorted({o[i] for o in orders[:3]}) == sorted(modes) for i in range(3))  # each mode in each place
+
+
+def test_merge_runs_median_rate_and_pooled_percentiles():
+    fast = [ok(0.0, [0.1, 0.2], 0.3, tokens=10)]  # 10 tokens in 1 s
+    slow = [ok(0.0, [0.4, 0.8], 1.0, tokens=10)]  # 10 tokens in 4 s
+    mid = [ok(0.0, [0.2, 0.4], 0.5, tokens=10)]  # 10 tokens in 2 s
+    fields = load.merge_runs([(fast, 1.0), (slow, 4.0), (mid, 2.0)])
+    assert fields["tokens_per_s_runs"] == [10.0, 2.5, 5.0]
+    assert fields["tokens_per_s"] == 5.0  # the median run, not the pooled 30 / 7
+    assert fields["requests"] == 3 and fields["output_tokens"] == 30 and fields["wall_s"] == 7.0
+    assert fields["ttft_ms_p50"] == pytest.approx(200.0)  # TTFTs 100, 400, 200 pooled
+    failed = load.merge_runs([([RequestResult("error", error="boom")], 1.0)])
+    assert failed["tokens_per_s"] is None and failed["tokens_per_s_runs"] == [None]
+
+
+def test_ratios_vs_ar_pair_runs_of_one_repeat():
+    section = {"8": {"ar": {"tokens_per_s_runs": [40.0, 50.0, 45.0]},
+                     "sync": {"tokens_per_s_runs": [44.0, 45.0, None]},
+                     "auto": {"tokens_per_s_runs": [40.0, 60.0, 45.0]}},
+               "1": {"sync": {"tokens_per_s_runs": [20.0]}}}  # no ar at this level: no ratios
+    ratios = load.ratios_vs_ar(section)
+    assert set(ratios) == {"8"} and set(ratios["8"]) == {"sync", "auto"}
+    assert ratios["8"]["sync"] == {"median": pytest.approx(1.0), "runs": [1.1, 0.9]}  # the failed run left out
+    assert ratios["8"]["auto"] == {"median": 1.0, "runs": [1.0, 1.2, 1.0]}
+
+
 def test_summarise_level_without_answers():
     s = summarise_level([RequestResult("rejected", error="HTTP 429: x")] * 3, wall_s=1.0)
     assert (s["ok"], s["rejected"], s["errors"], s["tokens_per_s"], s["ttft_ms_p50"]) == (0, 3, 0, None, None)
