@@ -15,11 +15,15 @@ second of wall time, all requests together:
     "plain"   plain steps for every request: once the batch is large enough that every extra position in a
               forward costs nearly its share, even prompt lookup's blocks cost more than they commit.
 Throughput is measured over windows of WINDOW_STEPS steps, separately per load bucket (the number of
-running requests smoothed over steps: about 2, 4 and 8 or more). The better of "lookup" and "plain" runs
-unless "draft" measured DRAFT_MARGIN better; every other policy is tried for a window now and then (more
-rarely the worse it measured), so a change of load or workload is noticed. Trying a policy that does
-the same as the best for this batch (no request of mode auto or ngram: "lookup" is "plain") costs nothing.
-A load level seen for the first time starts with the policy that won at the nearest level already measured.
+running requests smoothed over steps: about 2, 4 and 8 or more). "plain" runs unless "lookup" measured
+LOOKUP_MARGIN better, and either unless "draft" measured DRAFT_MARGIN better than the one that runs: plain
+steps are the safe choice, a window's figure is noisy, and a near tie must not leave the batch below plain
+decoding. Every other policy is tried for a window now and then (more rarely the worse it measured), so a
+change of load or workload is noticed. Trying a policy that does the same as the best for this batch (no
+request of mode auto or ngram: "lookup" is "plain") costs nothing.
+A load level seen for the first time starts with the policy that won at the nearest level already measured;
+the other way of running the target alone is tried there soon (a few windows: it costs no catch-up), since
+extra positions cost more the larger the batch and lookup's lead at a lower load may not hold.
 The window after a switch is not measured: rounds of the old policy are still in flight. A lone request
 decides alone (no policy), as does a batch of plain ("ar") requests only.
 """
@@ -37,6 +41,10 @@ MAX_WAIT = 80.0  # windows: even a much worse policy is tried again this often
 # up on every request (foresight's adapter and decoder take in all the rounds it missed), and a window's
 # figure is noisy, so a near tie is not worth those switches.
 DRAFT_MARGIN = 1.1
+# Prompt lookup under load must beat plain steps by this factor to run (the figures are noisy; plain is safe).
+LOOKUP_MARGIN = 1.05
+NEW_LEVEL_TRIAL = 3.0  # windows at a new load level before the target-alone policy not inherited is tried
+TRIAL_ORDER = ("plain", "lookup", "draft")  # of policies due together, the cheapest trial first
 
 
 LOAD_DECAY = 0.9  # per step: the load level follows the running requests over the last ~10 steps
@@ -112,13 +120,16 @@ class LoadPolicy:
 
     def _best(self, bucket: int) -> str:
         """The policy with the best figure at this load; with one unmeasured here, the best at the nearest
-        load where all were measured (a new load level starts from what the last one learnt), else the best
-        measured here, else "draft"."""
+        load where all were measured (a new load level starts from what the last one learnt) -- unless that
+        runs the target alone and both ways of doing so are measured here; else the best measured here, else
+        "draft"."""
         rates = {p: r for p in POLICIES if (r := self.rate(bucket, p)) is not None}
         if len(rates) < len(POLICIES):
             nearest = self._nearest_known(bucket)
             if nearest is not None:
-                return self._best(nearest)
+                inherited = self._best(nearest)
+                if inherited not in TARGET_ALONE or not all(p in rates for p in TARGET_ALONE):
+                    return inherited
         return winner(rates) if rates else POLICIES[0]
 
     def _nearest_known(self, bucket: int) -> int | None:
@@ -135,14 +146,17 @@ class LoadPolicy:
         now = self.windows.get(bucket, 0)
         due = [p for p in POLICIES
                if p != best and now - self.tried_at.get((bucket, p), 0) >= self._wait(bucket, p, best)]
-        return min(due, key=lambda p: self.tried_at.get((bucket, p), 0)) if due else best
+        return min(due, key=lambda p: (self.tried_at.get((bucket, p), 0), TRIAL_ORDER.index(p))) if due else best
 
     def _wait(self, bucket: int, policy: str, best: str) -> float:
         """Windows between trials of `policy`: longer the worse it measured against `best`. Unmeasured, at
-        once, unless another load level already measured every policy."""
+        once, unless another load level already measured every policy: then after NEW_LEVEL_TRIAL windows
+        for a way of running the target alone, the usual EXPLORE_WINDOWS for drafting."""
         rate = self.rate(bucket, policy)
         if rate is None:
-            return 0.0 if self._nearest_known(bucket) is None else EXPLORE_WINDOWS
+            if self._nearest_known(bucket) is None:
+                return 0.0
+            return NEW_LEVEL_TRIAL if policy in TARGET_ALONE else EXPLORE_WINDOWS
         ratio = min(1.0, rate / self.rate(bucket, best))
         return min(MAX_WAIT, EXPLORE_WINDOWS / max(ratio, 1e-3) ** 2)
 
@@ -154,10 +168,11 @@ class LoadPolicy:
 
 
 def winner(rates: dict[str, float]) -> str:
-    """The policy to run from measured figures: the faster way of running the target alone, unless drafting
-    measured DRAFT_MARGIN faster than it."""
+    """The policy to run from measured figures: plain steps unless prompt lookup measured LOOKUP_MARGIN
+    faster, and that unless drafting measured DRAFT_MARGIN faster still."""
     alone = {p: r for p, r in rates.items() if p in TARGET_ALONE}
     if not alone:
         return "draft"
-    best_alone = max(alone, key=alone.get)
+    lookup_leads = "plain" not in alone or alone.get("lookup", 0.0) > LOOKUP_MARGIN * alone["plain"]
+    best_alone = "lookup" if lookup_leads else "plain"
     return "draft" if rates.get("draft", 0.0) > DRAFT_MARGIN * alone[best_alone] else best_alone

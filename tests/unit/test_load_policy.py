@@ -43,6 +43,13 @@ def test_drafting_must_beat_the_target_alone_by_a_margin():
     assert winner({"draft": 50.0}) == "draft"
 
 
+def test_prompt_lookup_must_beat_plain_steps_by_a_margin():
+    assert winner({"draft": 50.0, "lookup": 103.0, "plain": 100.0}) == "plain"  # a near tie: the safe choice
+    assert winner({"draft": 50.0, "lookup": 106.0, "plain": 100.0}) == "lookup"
+    assert winner({"draft": 50.0, "lookup": 90.0}) == "lookup"  # plain not measured yet
+    assert winner({"draft": 113.0, "lookup": 103.0, "plain": 100.0}) == "draft"  # against the one that would run
+
+
 def test_held_rounds_take_lookup_only_where_the_request_allows_it():
     policy = LoadPolicy()
     policy.current = "lookup"
@@ -110,4 +117,12 @@ def test_a_new_load_level_starts_from_what_the_nearest_one_learnt():
     rates = {"draft": 50.0, "lookup": 70.0, "plain": 100.0}
     assert run(policy, 30, rates, running=4)["plain"] > 0.6 * 30
     counts = run(policy, 10, rates, running=8)
-    assert counts["draft"] == 0 and counts["lookup"] == 0  # none tried at the new level before the usual wait
+    assert counts["draft"] == 0  # drafting is not tried at the new level before the usual wait
+    assert counts["lookup"] <= 2 and counts["plain"] >= 7  # the other way of running alone: one early trial
+
+
+def test_a_higher_load_level_notices_soon_that_lookup_stopped_paying():
+    policy = LoadPolicy()
+    assert run(policy, 30, {"draft": 50.0, "lookup": 120.0, "plain": 100.0}, running=4)["lookup"] > 0.6 * 30
+    counts = run(policy, 12, {"draft": 50.0, "lookup": 90.0, "plain": 100.0}, running=8)
+    assert counts["plain"] >= 7 and counts["draft"] == 0  # inherited lookup, switched after its early trial
