@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -360,6 +361,22 @@ async def run_level(client, base: str, items: list[dict], level: int, n_requests
     return results, time.perf_counter() - t0
 
 
+async def counted_run(client, base: str, items: list[dict], level: int, n_requests: int, args: argparse.Namespace,
+                      headers: dict) -> tuple[tuple[list[RequestResult], float], dict[str, float]]:
+    """`run_level`, and the rounds per strategy the server ran meanwhile (from its /metrics)."""
+    before = await strategy_rounds(client, base)
+    run = await run_level(client, base, items, level, n_requests, args, headers)
+    after = await strategy_rounds(client, base)
+    return run, {s: n - before.get(s, 0.0) for s, n in after.items()}
+
+
+def run_line(results: list[RequestResult], wall_s: float) -> str:
+    """One run's figures, for the progress log."""
+    f = summarise_level(results, wall_s)
+    return (f"{f['ok']}/{f['requests']} ok, {f['rejected']} rejected, {f['errors']} errors, "
+            f"{f['tokens_per_s'] or 0:.1f} tok/s, TTFT p50 {f['ttft_ms_p50']} ms, ITL p50 {f['itl_ms_p50']} ms")
+
+
 def _auth_headers() -> dict:
     key = os.environ.get(API_KEY_ENV)  # the server subprocess inherits it and then requires it
     return {"Authorization": f"Bearer {key}"} if key else {}
@@ -379,7 +396,7 @@ async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
         raise ConfigError(f"modes: unknown or no mode(s) {bad}; choose from {', '.join(Mode.values())}")
     if args.load_requests is not None and args.load_requests < 1:
         raise ConfigError("load_requests must be >= 1")
-    repeats = getattr(args, "load_repeats", 1)
+    repeats = args.load_repeats
     if repeats < 1:
         raise ConfigError("load_repeats must be >= 1")
     items = load_prompts(args.prompts, args.limit)
@@ -403,19 +420,13 @@ async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
                 print(f"[load] {mode}: the warm-up request failed: {warm.error}", flush=True)
         for level in levels:
             runs: dict[str, list] = {mode: [] for mode in modes}
-            rounds: dict[str, dict[str, float]] = {mode: {} for mode in modes}
+            rounds: dict[str, Counter] = {mode: Counter() for mode in modes}
             for repeat in range(repeats):
                 for mode in run_order(modes, repeat):
-                    before = await strategy_rounds(client, bases[mode])
-                    run = await run_level(client, bases[mode], items, level, n_per_level[level], args, headers)
-                    after = await strategy_rounds(client, bases[mode])
-                    for s, n in after.items():
-                        rounds[mode][s] = rounds[mode].get(s, 0.0) + n - before.get(s, 0.0)
+                    run, ran = await counted_run(client, bases[mode], items, level, n_per_level[level], args, headers)
                     runs[mode].append(run)
-                    one = summarise_level(*run)
-                    print(f"[load] {mode} @ {level} (run {repeat + 1}/{repeats}): {one['ok']}/{one['requests']} ok, "
-                          f"{one['rejected']} rejected, {one['errors']} errors, {one['tokens_per_s'] or 0:.1f} tok/s, "
-                          f"TTFT p50 {one['ttft_ms_p50']} ms, ITL p50 {one['itl_ms_p50']} ms", flush=True)
+                    rounds[mode].update(ran)
+                    print(f"[load] {mode} @ {level} (run {repeat + 1}/{repeats}): {run_line(*run)}", flush=True)
             for mode in modes:
                 fields = merge_runs(runs[mode])
                 fields["strategy_rounds"] = {s: int(n) for s, n in sorted(rounds[mode].items()) if n > 0}
