@@ -44,6 +44,9 @@ class EngineConfig:
     # "prefix": the same but at least one draft; "max": every draft
     verify_length: str = "auto"
     dtype: str = "auto"
+    # The drafter's own dtype (draft model, adapter, decoder): "auto" = the target's on a GPU; on a CPU bf16
+    # where the CPU has native bf16 matmuls, else fp32 (target_worker/loading.py, resolve_drafter_dtype)
+    drafter_dtype: str = "auto"
     target_device: str = "cpu"
     drafter_device: str = "cpu"
     target_threads: int = 1
@@ -72,6 +75,7 @@ class EngineConfig:
         self.mode = Mode.parse(self.mode, "mode", ConfigError)
         _check_choice("verification", self.verification, VERIFICATIONS)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("drafter_dtype", self.drafter_dtype, DTYPES)
         _check_choice("verify_length", self.verify_length, VERIFY_LENGTHS)
         if not 0.0 < self.nucleus_threshold <= 1.0:
             raise ConfigError("nucleus_threshold must lie in (0, 1]")
@@ -206,6 +210,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "or skip drafting while plain steps pay best; prefix: the same, at least one draft; "
                         "max: all drafts")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    g.add_argument("--drafter-dtype", default=d.drafter_dtype, choices=DTYPES,
+                   help="the drafter's dtype (auto: the target's on a GPU; on a CPU bf16 where it has native "
+                        "bf16 matmuls, else float32)")
     g.add_argument("--target-device", default=d.target_device)
     g.add_argument("--drafter-device", default=d.drafter_device)
     g.add_argument("--target-threads", type=int, default=d.target_threads)

@@ -112,6 +112,8 @@ def add_train_args(sub) -> None:
     e.add_argument("--passes", default="0,1,2,3")
     e.add_argument("--max-tokens", type=int, default=128)
     e.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    e.add_argument("--drafter-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="the draft model's dtype (auto: as the drafter worker picks it)")
     e.add_argument("--device", default="cpu")
     e.add_argument("--threads", type=int, default=1)
     e.add_argument("--seed", type=int, default=0)

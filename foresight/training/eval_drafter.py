@@ -96,17 +96,17 @@ def _round_loop(runner: TargetRunner, proposer, ctx: DraftContext, cache, gen: t
 
 
 def load_proposer(spec: str, target, device: str, dtype: torch.dtype):
+    """`dtype`: the drafter's (resolve_drafter_dtype, as the drafter worker picks it)."""
     if spec == "ngram":
         return NgramProposer()
     from ..drafter_worker.jetspec_proposer import JetSpecProposer
 
-    dtype = dtype if device.startswith("cuda") else torch.float32  # as the drafter worker does on CPU
     return JetSpecProposer.load(spec, target, device, dtype)
 
 
 def run_eval(args: argparse.Namespace) -> dict:
     from ..bench.prompts import load_prompts
-    from ..target_worker.loading import load_target, load_tokenizer, resolve_dtype, resolve_target
+    from ..target_worker.loading import load_target, load_tokenizer, resolve_drafter_dtype, resolve_dtype, resolve_target
     from .labelling import chat_ids
 
     path = resolve_target(args.target)
@@ -115,7 +115,8 @@ def run_eval(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(path)
     prompts = [chat_ids(tokenizer, item["messages"], True) if "messages" in item
                else tokenizer.encode(item["prompt"], add_special_tokens=False) for item in load_prompts(args.prompts, args.limit)]
-    proposer = load_proposer(args.drafter, target, args.device, dtype)
+    drafter_dtype = resolve_drafter_dtype(args.drafter_dtype, args.dtype, args.device)
+    proposer = load_proposer(args.drafter, target, args.device, drafter_dtype)
     runner = TargetRunner.for_proposer(target, proposer)
     eos = eos_ids(target)
     temps, sizes, passes = _floats(args.temperatures), _ints(args.block_sizes), _ints(args.passes)
@@ -134,6 +135,7 @@ def run_eval(args: argparse.Namespace) -> dict:
                       f"draft {r['draft_ms_mean']:.1f} ms, verify {r['verify_ms_mean']:.1f} ms)"
                       + (f" greedy_match={r['greedy_match']:.2f}" if r["greedy_match"] is not None else ""), flush=True)
     report = {"target": str(path), "drafter": args.drafter, "dtype": str(dtype).replace("torch.", ""),
+              "drafter_dtype": str(drafter_dtype).replace("torch.", ""),
               "settings": {"prompts": args.prompts, "limit": args.limit, "max_tokens": args.max_tokens,
                            "threads": args.threads, "device": args.device, "seed": args.seed},
               "results": results, "summary": _summary(results)}
