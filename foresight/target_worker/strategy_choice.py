@@ -19,8 +19,10 @@ clearly beats the best estimate is extended (up to MAX_TRIAL rounds), so a strat
 over within a request instead of waiting for its stale pooled figures to fade. A rival at r of the best
 costs (1 - r) * r**2 / EXPLORE_ROUNDS of goodput once its estimate is confident, at most 0.23 % (r = 2/3).
 That holds for rivals whose rounds last as long as the best one's; a rival with longer rounds waits longer in
-proportion (`_round_cost`). Measured before that (bf16 HumanEval T=1): auto's pipelined trials, a round
-of ~300 ms against ~45 ms of prompt lookup, took 4.4 % of its time for 1 % of its rounds.
+proportion (`_round_cost`), counting every round it ran: a trial's rounds that are not measured (pipelined's
+first round after a switch, which pays for the adapter and decoder taking in the context) cost time too.
+Measured before that (bf16 HumanEval T=1): auto's pipelined trials, a round of ~300 ms against ~45 ms of
+prompt lookup, took 4.4 % of its time for 1 % of its rounds.
 
 Only rounds of `auto` requests are measured here: a request that fixed its mode teaches auto nothing.
 The first round of each strategy in a class is not measured either: first calls pay one-off costs
@@ -94,6 +96,8 @@ class StrategyChooser:
         self.tried_at: dict[tuple[str, str], int] = {}  # (group, strategy) -> rounds[group] at its last trial
         self.runs: dict[tuple[str, str], int] = {}  # (group, strategy) -> rounds run (measured or not)
         self.measured_n: dict[tuple[str, str], int] = {}  # (group, strategy) -> rounds measured
+        # (group, strategy) -> recent rounds run, measured or not (but the first): what a round of it costs
+        self.spent: dict[tuple[str, str], Goodput] = {}
 
     def start(self, group: str) -> RequestChoice:
         """A new request of `group`; its first round's strategy is chosen here."""
@@ -109,6 +113,8 @@ class StrategyChooser:
         choice.rounds[s] = choice.rounds.get(s, 0) + 1
         key = (choice.group, s)
         self.runs[key] = self.runs.get(key, 0) + 1
+        if seconds > 0 and self.runs[key] > 1:
+            self.spent.setdefault(key, Goodput()).add(tokens, seconds, POOLED_DECAY)
         if s == Strategy.PIPELINED and choice.previous != Strategy.PIPELINED:
             return  # no foresight could run for it: not what pipelined costs or gives
         if seconds <= 0 or self.runs[key] == 1:
@@ -180,9 +186,12 @@ class StrategyChooser:
         """How many of the best strategy's rounds a round of `strategy` lasts (at least 1): the waits between
         trials are in the best one's rounds, so a rival whose rounds are long (pipelined after lookup rounds:
         its adapter and decoder catch up on the whole context) is tried proportionally less often, and
-        exploring costs the same share of time whatever the rival."""
-        pooled = self.pooled[group]
-        mean = {s: pooled[s].seconds / pooled[s].rounds if pooled[s].rounds else 0.0 for s in (strategy, best)}
+        exploring costs the same share of time whatever the rival. A round's cost is the mean over all its
+        recent rounds (`spent`), the unmeasured ones of a trial included."""
+        mean = {}
+        for s in (strategy, best):
+            spent = self.spent.get((group, s)) or self.pooled[group][s]
+            mean[s] = spent.seconds / spent.rounds if spent.rounds else 0.0
         return max(1.0, mean[strategy] / mean[best]) if mean[best] > 0 else 1.0
 
     def _trial(self, choice: RequestChoice, strategy: str) -> str:

@@ -132,6 +132,30 @@ def test_a_rival_with_long_rounds_is_tried_less_often():
     assert long * 3 < short, (short, long)
 
 
+def test_a_rival_whose_trials_pay_a_switch_in_round_is_tried_less_often():
+    """Pipelined's first round after a switch is not measured (no foresight could run for it), but it costs
+    the time its adapter and decoder take to catch up: two rivals of the same measured rate, one of them
+    with switch-in rounds ten times as long, and that one is tried less often, by the time its trials take."""
+    def trials(switch_in_s: float) -> int:
+        chooser = StrategyChooser(("ngram", "pipelined"))
+        rng = random.Random(0)
+        tried = 0
+        for _ in range(40):
+            choice = chooser.start("greedy")
+            for _ in range(100):
+                if choice.current == "ngram":
+                    tokens, seconds = 1, 0.030
+                else:
+                    tried += choice.previous != "pipelined"
+                    tokens, seconds = (1, switch_in_s) if choice.previous != "pipelined" else (1, 0.060)
+                chooser.observe(choice, tokens, seconds * rng.uniform(0.8, 1.2))
+                chooser.advance(choice)
+        return tried
+
+    cheap, dear = trials(0.060), trials(0.600)
+    assert dear * 2 < cheap, (cheap, dear)
+
+
 def test_a_long_request_follows_its_own_change():
     """Within one long request the best strategy turns slightly worse than a rival (the text moved on from
     what the draft model knows): the request's own old rounds must not keep it there for hundreds of rounds."""
