@@ -28,12 +28,25 @@ def test_the_fastest_policy_runs_and_the_others_are_still_tried():
     policy = LoadPolicy()
     counts = run(policy, 100, {"draft": 50.0, "lookup": 100.0, "plain": 80.0})
     assert counts["lookup"] > 0.8 * 100
-    assert counts["draft"] >= 3 and counts["plain"] >= 3  # tried now and then: the workload may change
+    assert counts["draft"] >= 2 and counts["plain"] >= 2  # tried now and then: the workload may change
     counts = run(policy, 100, {"draft": 50.0, "lookup": 80.0, "plain": 100.0})  # lookup stops paying
     assert counts["plain"] > 0.7 * 100
     rates = {"draft": 150.0, "lookup": 80.0, "plain": 100.0}  # drafting pays again: noticed at its next trial
     run(policy, 60, rates)
     assert run(policy, 100, rates)["draft"] > 0.8 * 100
+
+
+def test_exploring_costs_little_in_a_steady_load():
+    """Trials of the worse policies (drafting at half the best, lookup at 0.9) cost about 1 % of throughput:
+    a trial settles for SETTLE_STEPS, not a whole window, and rivals wait EXPLORE_WINDOWS / r**2 windows."""
+    policy = LoadPolicy()
+    rates = {"draft": 50.0, "lookup": 90.0, "plain": 100.0}
+    tokens = seconds = 0.0
+    for _ in range(400 * WINDOW_STEPS):
+        step_tokens = round(rates[policy.current] * 0.1)
+        tokens, seconds = tokens + step_tokens, seconds + 0.1
+        policy.observe(8, True, step_tokens, 0.1)
+    assert tokens / seconds > 0.985 * rates["plain"]
 
 
 def test_drafting_must_beat_the_target_alone_by_a_margin():
