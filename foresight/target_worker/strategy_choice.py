@@ -190,7 +190,7 @@ class StrategyChooser:
         recent rounds (`spent`), the unmeasured ones of a trial included."""
         mean = {}
         for s in (strategy, best):
-            spent = self.spent.get((group, s)) or self.pooled[group][s]
+            spent = self.spent.get((group, s), Goodput())  # every measured round is in it too
             mean[s] = spent.seconds / spent.rounds if spent.rounds else 0.0
         return max(1.0, mean[strategy] / mean[best]) if mean[best] > 0 else 1.0
 

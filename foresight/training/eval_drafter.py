@@ -106,7 +106,8 @@ def load_proposer(spec: str, target, device: str, dtype: torch.dtype):
 
 def run_eval(args: argparse.Namespace) -> dict:
     from ..bench.prompts import load_prompts
-    from ..target_worker.loading import load_target, load_tokenizer, resolve_drafter_dtype, resolve_dtype, resolve_target
+    from ..target_worker.loading import (load_target, load_tokenizer, resolve_drafter_dtype, resolve_dtype,
+                                         resolve_target)
     from .labelling import chat_ids
 
     path = resolve_target(args.target)
