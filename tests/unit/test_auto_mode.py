@@ -50,7 +50,11 @@ def share(rounds: dict[str, int], *strategies: str) -> float:
 def test_auto_leaves_a_proposer_that_stops_paying():
     model = tiny_model("llama")
     proposer = ScriptedProposer(model.config.vocab_size)
-    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=8), proposer=proposer)
+    # verify_length="max": every sync round drafts and verifies the whole block, so a proposer that stopped
+    # paying costs its wrong drafts and its delay in every round; under "auto" the verify-length controller
+    # may stop drafting instead, and sync rounds then tie with plain steps, decided by timing noise.
+    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=8, verify_length="max"),
+                             proposer=proposer)
     prompt = [3, 17, 60, 61, 62]
     want = plain_greedy(model, prompt, 64)
     proposer.truth = prompt + want
