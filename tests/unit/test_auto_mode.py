@@ -21,7 +21,7 @@ class ScriptedProposer(StatelessProposer):
     name = "scripted"
     supports_foresight = False
 
-    def __init__(self, vocab: int, delay_s: float = 0.01):
+    def __init__(self, vocab: int, delay_s: float = 0.03):
         self.truth: list[int] = []  # prompt + greedy continuation of the request being served
         self.paying = True
         self.vocab = vocab
@@ -73,7 +73,11 @@ def test_auto_leaves_a_proposer_that_stops_paying():
         assert share(paying[-1], "sync") > 0.7, paying
         proposer.paying = False
         stopped = [serve() for _ in range(4)]
-        assert share(stopped[-1], "ar") > 0.7, stopped
+        # The first request after the change pays for noticing it; the later ones run plain steps. Pooled over
+        # three requests: a noisy stretch of plain rounds (a busy CI machine) can hand one request a few dozen
+        # sync rounds, because sync's pooled figures still hold its paying rounds (8 tokens each).
+        later = {s: sum(r.get(s, 0) for r in stopped[1:]) for s in ("ar", "sync")}
+        assert share(later, "ar") > 0.8, stopped
     finally:
         engine.close()
 
