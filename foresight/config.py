@@ -38,7 +38,8 @@ class EngineConfig:
     # "none" (Eq. 6 scores) | PATH
     calibration: str = "auto"
     # pipelined: target layers the foresight decoder reuses; None = the adapter's recommendation, else
-    # all layers above the deepest index the adapter predicts
+    # all layers above the deepest index the adapter predicts; 0 = none: the draft model scores the
+    # outcomes itself (no adapter needed)
     decoder_layers: int | None = None
     # "auto": the prefix with the most expected tokens/s, or no drafts at all when that pays best;
     # "prefix": the same but at least one draft; "max": every draft
@@ -89,8 +90,8 @@ class EngineConfig:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")
         if not 1 <= self.hybrid_min_match <= self.ngram_max:
             raise ConfigError("hybrid_min_match must lie in [1, ngram_max]")
-        if self.decoder_layers is not None and self.decoder_layers < 1:
-            raise ConfigError("decoder_layers must be >= 1")
+        if self.decoder_layers is not None and self.decoder_layers < 0:
+            raise ConfigError("decoder_layers must be >= 0 (0: the draft model scores the outcomes itself)")
         if self.draft_passes is not None and self.draft_passes < 0:
             raise ConfigError("draft_passes must be >= 0")
         if self.draft_refreshes is not None and self.draft_refreshes < 0:
@@ -204,7 +205,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "scores) | PATH to a fitted calibration (foresight calibrate-foresight)")
     g.add_argument("--decoder-layers", type=int, default=d.decoder_layers,
                    help="pipelined: target layers the foresight decoder reuses (default: the adapter's "
-                        "recommendation, else all layers above the deepest one it predicts)")
+                        "recommendation, else all layers above the deepest one it predicts); 0: no decoder nor "
+                        "adapter, the draft model scores the outcomes itself")
     g.add_argument("--verify-length", default=d.verify_length, choices=VERIFY_LENGTHS,
                    help="auto: verify the prefix of each block with the most expected tokens per second, "
                         "or skip drafting while plain steps pay best; prefix: the same, at least one draft; "

@@ -16,7 +16,8 @@ While the target verifies block [y0, d_1..d_gamma] (anchor y0 at position n = le
                  states it passes through that the draft model also reads (indices above its input,
                  the final-normed index L). How deep it starts is `decoder_layers`: on a small target
                  with a CPU-trained adapter the top-15 decoder over the index-15 prediction scores
-                 outcomes far better than the top 3 over the index-27 one (docs/benchmark.md).
+                 outcomes far better than the top 3 over the index-27 one (docs/benchmark.md). At
+                 depth 0 the draft model scores the outcomes itself (draft_foresight.py).
     3. outcomes  Eq. 6 scores, the B best (Eq. 7); B, J and R from the round's plan (`budget.py`, Eq. 3):
                  what fits the verify time by the measured costs, within the caps
     4. drafting  outcome (k, a): context = true context + the PREDICTED states of rows 0..k
@@ -42,6 +43,7 @@ count as surely accepted (`outcomes.py`). With a calibration fit on held-out rou
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -87,6 +89,7 @@ class ForesightDrafter(BatchedForesight):
 
     name = "jetspec++"
     supports_foresight = True
+    greedy_first = True  # at temperature 0 the scorer's greedy path is cached first (`select`)
 
     def __init__(self, model: DraftModel, adapter, decoder: ForesightDecoder, passes: int | None = None,
                  cache_size: int = 4, foresight_passes: int | None = None, temperature: float | None = None,
@@ -99,19 +102,10 @@ class ForesightDrafter(BatchedForesight):
         `temperature`: the sampling temperature to score outcomes at (None: temperature 1, the paper's);
         `calibration`: calibrated outcome scores (appendix B.1, `calibration.py`; None: Eq. 6 as it is)."""
         if adapter is None or decoder is None:
-            raise ValueError("foresight needs both an adapter and a decoder (use JetSpecProposer without them)")
-        if cache_size < 1:
-            raise ValueError("cache_size must be >= 1")
-        if refreshes is not None and refreshes < 0:
-            raise ValueError("refreshes must be >= 0")
-        self.model, self.adapter, self.decoder = model, adapter, decoder
-        self.cache_size = cache_size
-        self.passes = model.config.default_passes if passes is None else passes
-        self.foresight_passes = self.passes if foresight_passes is None else foresight_passes
-        self.refreshes, self.use_budget = refreshes, use_budget
-        self.refinement = Refinement.parse(refinement, "refinement")
-        self.temperature = temperature
-        self.calibration = calibration
+            raise ValueError("foresight needs both an adapter and a decoder (DraftOnlyForesight: decoder depth 0)")
+        self._init_round(model, passes, cache_size, foresight_passes, temperature, refreshes, refinement,
+                         use_budget, calibration)
+        self.adapter, self.decoder = adapter, decoder
         n_target = decoder.config.num_hidden_layers
         hidden = decoder.config.hidden_size
         if model.config.target_hidden_size != hidden:
@@ -152,9 +146,31 @@ class ForesightDrafter(BatchedForesight):
         self._draft_sources = [("adapter", adapter_idx.index(i)) if i in adapter_idx
                                else ("decoder", decoder_states.index(i)) for i in model.config.target_layers]
         self._hidden = hidden
+
+    def _init_round(self, model: DraftModel, passes: int | None, cache_size: int, foresight_passes: int | None,
+                    temperature: float | None, refreshes: int | None, refinement: Refinement, use_budget: bool,
+                    calibration: Calibration | None) -> None:
+        """What every foresight round reads, whatever scores its outcomes (see `__init__`)."""
+        if cache_size < 1:
+            raise ValueError("cache_size must be >= 1")
+        if refreshes is not None and refreshes < 0:
+            raise ValueError("refreshes must be >= 0")
+        self.model = model
+        self.cache_size = cache_size
+        self.passes = model.config.default_passes if passes is None else passes
+        self.foresight_passes = self.passes if foresight_passes is None else foresight_passes
+        self.refreshes, self.use_budget = refreshes, use_budget
+        self.refinement = Refinement.parse(refinement, "refinement")
+        self.temperature = temperature
+        self.calibration = calibration
         self.costs = StepCosts()  # measured costs of the prediction and of batched passes and refreshes
         self.stats = ForesightStats()
         self.requests: dict[str, _RequestState] = {}
+
+    @property
+    def decoder_layers(self) -> int:
+        """The target layers that score the outcomes (0: the draft model scores them itself)."""
+        return self.decoder.n_layers
 
     # ------------------------------------------------------------------ contexts
 
@@ -325,7 +341,7 @@ class ForesightDrafter(BatchedForesight):
         else:
             scores = outcome_scores(probs, block, sure)
         picked = select_outcomes(scores, B)
-        if temperature is None or temperature > 0:
+        if temperature is None or temperature > 0 or not self.greedy_first:
             return picked
         top = logits.argmax(-1).tolist()  # the decoder's greedy path: accept while d_i is row i-1's argmax
         passed = [d == top[i] or (sure is not None and bool(sure[i])) for i, d in enumerate(block)]
@@ -354,6 +370,15 @@ class ForesightDrafter(BatchedForesight):
         anchors = torch.tensor([a for _, a in outcomes], dtype=torch.long)
         ids, probs = self.model.draft_with_confidence(contexts, anchors, noise, passes)
         return ids[-1], probs[-1]
+
+    def outcome_rows(self, ctx: DraftContext, state: _RequestState, states: torch.Tensor, block: list[int],
+                     outcomes: list[Outcome]) -> tuple[list[ContextKV], list[list[int]]]:
+        """Step 4's rows: per outcome (k, a) its draft context, the true context + the predicted states
+        states [gamma+1, n_src*H] of positions n..n+k (n = the anchor's), and its block's fixed inputs, the
+        anchor a alone."""
+        n = len(ctx.tokens) - 1
+        contexts = row_contexts(self.model, state.draft, n, states[None], [o.k + 1 for o in outcomes])
+        return contexts, [[o.a] for o in outcomes]
 
     def bound_rows(self, state: _RequestState, n: int) -> "_BoundRows":
         """This drafter over the request's true context of n positions, as `Refiner` drafts with it."""
@@ -397,6 +422,16 @@ def resolve_adapter_path(cfg: EngineConfig, drafter_path: Path) -> Path | None:
     if not is_adapter_checkpoint(path):
         raise ConfigError(f"adapter: {path} is not an adapter checkpoint folder (config.json + model.safetensors)")
     return path
+
+
+def adapter_depth(adapter_path: Path | None) -> int | None:
+    """The decoder depth an adapter checkpoint recommends (`foresight eval-foresight`'s choice, recorded at
+    training; 0: the draft model's own scores), read without loading it; None: none recorded."""
+    from ..models.adapter import AdapterConfig
+
+    if adapter_path is None:
+        return None
+    return AdapterConfig.from_dict(json.loads((adapter_path / "config.json").read_text())).decoder_layers
 
 
 def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineConfig) -> ForesightDrafter:

@@ -33,7 +33,7 @@ from ..protocol.kinds import Refinement
 from .budget import Plan
 from .outcomes import Outcome
 from .proposer import DraftContext
-from .refinement import Refiner, row_contexts
+from .refinement import Refiner
 from .speculation_cache import CacheEntry
 
 if TYPE_CHECKING:
@@ -57,8 +57,10 @@ class ForesightStats:
 
 class BatchedForesight:
     """The round of `ForesightDrafter` (its base class), which provides the stages: `_absorb`,
-    `_predict_block` / `_predict_blocks` (steps 1-2), `plan`, `select`, `draft_states`, `bound_rows`, and
-    `model`, `costs`, `temperature`, `refinement`, `stats`."""
+    `_predict_block` / `_predict_blocks` (steps 1-2), `plan`, `select`, `draft_states`, `outcome_rows`,
+    `bound_rows`, and `model`, `costs`, `temperature`, `refinement`, `stats`."""
+
+    refines = True  # refinement can run (an adapter and decoder to refresh drafts with)
 
     def foresee(self, ctx: DraftContext, block: list[int], max_drafts: int, budget_s: float,
                 stop: Callable[[], bool] | None = None, confidence: Sequence[float] = ()) -> list[CacheEntry]:
@@ -86,8 +88,8 @@ class BatchedForesight:
         for i, (ctx, block, wanted, confidence) in enumerate(zip(ctxs, blocks, max_drafts, confidences)):
             if wanted <= 0:
                 continue
-            # The request's refinement, else the engine's.
-            mode = Refinement.parse(ctx.refinement or self.refinement, "refinement")
+            # The request's refinement, else the engine's (none where nothing can refresh a draft).
+            mode = Refinement.parse(ctx.refinement or self.refinement, "refinement") if self.refines else Refinement.NONE
             state = self._absorb(ctx)
             if state.draft is not None:
                 parts.append(_Part(i, ctx, state, list(block), wanted, mode, confidence))
@@ -122,25 +124,31 @@ class BatchedForesight:
         drafts of its own plan's pass (a pass does not depend on later ones) and its own width (the block is
         causal: a row padded to the widest block drafts its own positions as it would alone). Returns per
         part the refiner holding its drafts [B, max_drafts] and what each row spent."""
-        width = max(p.max_drafts for p in parts)
-        contexts, anchors, noise = [], [], []
+        contexts, inputs, fixed = [], [], []
         for p in parts:
-            for o in p.picked:  # the request's own generator, in the order it draws alone
-                row = draw_noise(p.ctx.tokens + p.block[:o.k] + [o.a], p.max_drafts - 1, p.state.model.generator)
-                noise.append(torch.cat([row, row.new_zeros(width - p.max_drafts)]))  # [width-1]
-                anchors.append(o.a)
-            contexts += row_contexts(self.model, p.state.draft, p.n, p.states[None], [o.k + 1 for o in p.picked])
+            row_ctxs, prefixes = self.outcome_rows(p.ctx, p.state, p.states, p.block, p.picked)
+            contexts += row_ctxs
+            for o, prefix in zip(p.picked, prefixes):  # the request's own generator, in the order it draws alone
+                noise = draw_noise(p.ctx.tokens + p.block[:o.k] + [o.a], p.max_drafts - 1, p.state.model.generator)
+                inputs.append(torch.cat([torch.tensor(prefix), noise]))
+                fixed.append(len(prefix))
+        # Row b drafts at its positions fixed[b]-1 .. fixed[b]-2+max_drafts; shorter rows right-padded (causal).
+        width = max(fixed) - 1 + max(p.max_drafts for p in parts)
+        inputs = torch.stack([torch.cat([row, row.new_zeros(width - len(row))]) for row in inputs])  # [rows, width]
+        fixed = torch.tensor(fixed)
         plain = [p.plan.passes - p.plan.refreshes for p in parts]
         t0 = time.perf_counter()
-        ids, probs = self.model.draft_with_confidence(contexts, torch.tensor(anchors), torch.stack(noise), max(plain))
+        ids, probs = self.model.draft_after_prefix(contexts, inputs, fixed, max(plain))
         self.costs.passes.observe(len(contexts), (time.perf_counter() - t0) / (1 + max(plain)))
+        at = (fixed - 1)[:, None] + torch.arange(width - max(fixed) + 1)  # [rows, max_drafts]: each row's drafts
         refiners, start = [], 0
         for p, j in zip(parts, plain):
             rows = slice(start, start + len(p.picked))
             start = rows.stop
+            drafts = ids[j].gather(1, at.to(ids[j].device))[rows, :p.max_drafts]
+            confidence = probs[j].gather(1, at.to(probs[j].device))[rows, :p.max_drafts]
             refiners.append(Refiner(self.bound_rows(p.state, p.n), p.ctx.tokens[-1], p.block,
-                                    [(o.k, o.a) for o in p.picked], ids[j][rows, :p.max_drafts], p.mode, passes=j,
-                                    confidence=probs[j][rows, :p.max_drafts]))
+                                    [(o.k, o.a) for o in p.picked], drafts, p.mode, passes=j, confidence=confidence))
         for p, refiner in zip(parts, refiners):
             refiner.run(p.plan.refreshes, self.costs, stop)
         return refiners

@@ -71,21 +71,25 @@ def why_no_foresight(cfg: EngineConfig) -> str | None:
     path = resolve_drafter_path(cfg)
     if path is None:
         return f"--drafter {cfg.drafter} means prompt lookup here (no trained drafter found), which has no foresight"
-    if resolve_adapter_path(cfg, path) is None:
-        return f"the drafter {path} comes without an adapter (--adapter {cfg.adapter})"
+    if cfg.decoder_layers != 0 and resolve_adapter_path(cfg, path) is None:
+        return f"the drafter {path} comes without an adapter (--adapter {cfg.adapter}; --decoder-layers 0 needs none)"
     return None
 
 
 def make_proposer(cfg: EngineConfig) -> Proposer:
     """ngram; or a draft-model checkpoint (`auto`: the shipped one of the embedded default) -> JetSpec,
-    with foresight (pipelined mode) when an adapter checkpoint comes with it."""
-    from .foresight import foresight_from_config, resolve_adapter_path
+    with foresight (pipelined mode) when an adapter checkpoint comes with it, or at decoder depth 0 (the
+    draft model's own scores) without one."""
+    from .draft_foresight import draft_only_from_config
+    from .foresight import adapter_depth, foresight_from_config, resolve_adapter_path
     from .jetspec_proposer import JetSpecProposer, resolve_drafter_path
 
     path = resolve_drafter_path(cfg)
     if path is None:
         return NgramProposer(cfg.ngram_max, cfg.ngram_min)
     adapter = resolve_adapter_path(cfg, path)
+    if cfg.decoder_layers == 0 or (cfg.decoder_layers is None and adapter_depth(adapter) == 0):
+        return draft_only_from_config(path, cfg)
     if adapter is None:
         return JetSpecProposer.from_config(path, cfg)
     return foresight_from_config(path, adapter, cfg)
@@ -124,7 +128,7 @@ class DrafterWorker:
             "proposer": self.proposer.name, "supports_foresight": self.proposer.supports_foresight,
             "strategies": [Strategy.AR, Strategy.NGRAM] + sorted(self.strategies),
             "auto_strategies": auto_strategies(self.strategies),
-            "decoder_layers": getattr(getattr(self.proposer, "decoder", None), "n_layers", None),
+            "decoder_layers": getattr(self.proposer, "decoder_layers", None),
             "calibration": calibration_source(self.proposer)}))
         with self.heartbeats:
             self.loop()

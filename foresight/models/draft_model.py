@@ -301,19 +301,37 @@ class DraftModel(nn.Module):
 
         anchors [B]; noise [B, n-1] J0 input tokens; returns passes+1 tensors [B, n] of full-vocab draft ids
         (J0, J1, ...). Once the inputs stop changing (a Jacobi fixed point) later passes are copies."""
-        return self._draft(contexts, anchors, noise, passes, early_exit, with_probs=False)[0]
+        inputs = torch.cat([anchors.long()[:, None], noise.long()], dim=1)  # [B, n]
+        return self._draft(contexts, inputs, None, passes, early_exit, with_probs=False)[0]
 
     def draft_with_confidence(self, contexts: list[ContextKV], anchors: torch.Tensor, noise: torch.Tensor,
                               passes: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """As `draft`, plus each pass's top-1 probability (over the vocabulary subset) of every drafted
         token: (ids, probs), each passes+1 tensors [B, n]."""
-        return self._draft(contexts, anchors, noise, passes, True, with_probs=True)
+        inputs = torch.cat([anchors.long()[:, None], noise.long()], dim=1)  # [B, n]
+        return self._draft(contexts, inputs, None, passes, True, with_probs=True)
+
+    def draft_after_prefix(self, contexts: list[ContextKV], inputs: torch.Tensor, fixed: torch.Tensor,
+                           passes: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """As `draft_with_confidence`, but the first fixed[b] inputs of row b are real tokens that the Jacobi
+        passes keep (the anchor and the tokens after it, at block positions 0..fixed[b]-1); the rest of
+        inputs [B, n] are J0 noise, then right-padding. Training's clean prefixes are of this kind. Position
+        i predicts the token after input i: row b's draft starts at position fixed[b]-1."""
+        return self._draft(contexts, inputs.long(), fixed, passes, True, with_probs=True)
 
     @torch.inference_mode()
-    def _draft(self, contexts: list[ContextKV], anchors: torch.Tensor, noise: torch.Tensor, passes: int,
-               early_exit: bool, with_probs: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def block_logits(self, contexts: list[ContextKV], inputs: torch.Tensor) -> torch.Tensor:
+        """One pass over given inputs [B, n] (anchor first; right-padding is harmless) -> the logits over the
+        vocabulary subset [B, n, V'] (float32): position i's distribution of the token after input i."""
+        batch = self._batch(contexts, inputs.shape[1])
+        return self.logits(self.forward_hidden(inputs.to(self.device).long(), *batch))
+
+    def _batch(self, contexts: list[ContextKV], n: int):
+        """Blocks of n positions over `contexts`, each left-padded to the longest -> the arguments of
+        `forward_hidden` after the tokens: block_idx, positions [B, n], anchor_state [B, n, H], per layer
+        keys/values [B, T, kv, d], mask [B, n, T+n]."""
         dev = self.device
-        b, n = len(contexts), noise.shape[1] + 1
+        b = len(contexts)
         t = max((len(c) for c in contexts), default=0)
         kv = self.config.num_kv_heads, self.config.head_dim
         keys = [torch.zeros(b, t, *kv, dtype=self.dtype, device=dev) for _ in self.layers]
@@ -321,7 +339,7 @@ class DraftModel(nn.Module):
         valid = torch.zeros(b, t, dtype=torch.bool, device=dev)
         anchor_state = torch.zeros(b, 1, self.config.hidden_size, dtype=self.dtype, device=dev)
         start = torch.zeros(b, dtype=torch.long, device=dev)
-        for row, c in enumerate(contexts):  # left-pad each row's context to t
+        for row, c in enumerate(contexts):
             if not len(c):
                 continue
             lo = t - len(c)
@@ -335,9 +353,16 @@ class DraftModel(nn.Module):
         positions = start[:, None] + block_idx
         causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
         mask = torch.cat([valid[:, None, :].expand(b, n, t), causal.expand(b, n, n)], dim=-1)
-        anchor_state = anchor_state.expand(b, n, -1)
-        anchors = anchors.to(dev).long()[:, None]
-        inputs = torch.cat([anchors, noise.to(dev).long()], dim=1)  # [B, n]
+        return block_idx, positions, anchor_state.expand(b, n, -1), keys, values, mask
+
+    @torch.inference_mode()
+    def _draft(self, contexts: list[ContextKV], inputs: torch.Tensor, fixed: torch.Tensor | None, passes: int,
+               early_exit: bool, with_probs: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Jacobi passes from inputs [B, n]; fixed [B] leading inputs stay (None: the anchor alone)."""
+        inputs = inputs.to(self.device)
+        b, n = inputs.shape
+        block_idx, positions, anchor_state, keys, values, mask = self._batch(contexts, n)
+        keep = block_idx < (1 if fixed is None else fixed.to(self.device)[:, None])  # [B, n]
         outs: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for r in range(passes + 1):
@@ -347,7 +372,7 @@ class DraftModel(nn.Module):
             outs.append(ids)
             if with_probs:
                 probs.append(torch.softmax(logits.float(), dim=-1).amax(-1))  # [B, n]
-            nxt = torch.cat([anchors, ids[:, :-1]], dim=1)
+            nxt = torch.where(keep, inputs, torch.cat([inputs[:, :1], ids[:, :-1]], dim=1))
             if early_exit and torch.equal(nxt, inputs):
                 outs.extend([ids] * (passes - r))
                 probs.extend(probs[-1:] * (passes - r))

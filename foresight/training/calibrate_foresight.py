@@ -150,7 +150,7 @@ def run_calibrate(args: argparse.Namespace) -> Calibration:
     temperatures = [float(t) for t in args.temperatures.split(",")]
     rounds = collect_rounds(runner, drafter, prompts, args.max_tokens, args.block_size, eos, temperatures)
     source = (f"{args.prompts}[{args.offset}:{args.offset + len(prompts)}], T={args.temperatures}, "
-              f"block {args.block_size}, decoder {drafter.decoder.n_layers} layers")
+              f"block {args.block_size}, decoder {drafter.decoder_layers} layers")
     calibration = fit_calibration(rounds, source)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     calibration.save(Path(args.out))

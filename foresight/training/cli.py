@@ -127,8 +127,11 @@ def add_train_args(sub) -> None:
     f.add_argument("--prompts", default="humaneval", help="humaneval | chat | JSONL file")
     f.add_argument("--offset", type=int, default=1, help="skip this many prompts first")
     f.add_argument("--limit", type=int, default=5)
-    f.add_argument("--decoder-layers", default="3,15", help="comma list of decoder depths to compare")
+    f.add_argument("--decoder-layers", default="0,3,15",
+                   help="comma list of decoder depths to compare (0: the draft model's own scores)")
     f.add_argument("--cache-sizes", default="1,2,4,8,16")
+    f.add_argument("--serve-cache-size", type=int, default=4,
+                   help="the cache size served (--cache-size), whose hit rate the recommended depth maximises")
     f.add_argument("--block-size", type=int, default=16)
     f.add_argument("--passes", type=int, default=0, help="Jacobi passes of the replayed drafts (0: a miss's J0)")
     f.add_argument("--max-tokens", type=int, default=128)

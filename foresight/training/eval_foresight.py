@@ -12,9 +12,11 @@ With a calibration (`--calibration`, default the one shipped beside the adapter)
 both rules, the decoder's Eq. 6 scores and the calibrated ones (appendix B.1), on the same rounds.
 `--temperature 1` replays sampled verification (the request's seed per prompt).
 
-Reported per decoder depth (`--decoder-layers`): hit rate at each B, the decoder's top-1 agreement
-with the target's token after the anchor (row 0: the outcome of every round whose first draft fails),
-tau of the replayed rounds and the median predict time (adapter + decoder, one thread unless --threads).
+Reported per decoder depth (`--decoder-layers`; 0 = the draft model's own scores, no adapter or decoder):
+hit rate at each B, the decoder's top-1 agreement with the target's token after the anchor (row 0: the
+outcome of every round whose first draft fails), tau of the replayed rounds, the median predict time
+(adapter + decoder, one thread unless --threads) and the mean verify time. `recommended` picks the depth to
+serve from those measurements (`recommend_depth`).
 """
 from __future__ import annotations
 
@@ -55,8 +57,25 @@ def replay(runner: TargetRunner, drafter, prompt: list[int], max_tokens: int, bl
         tally["rounds"] += 1
         tally["committed"] += verdict.accepted + 1
 
-    speculate(runner, drafter, prompt, max_tokens, temperature, block_size, seed, eos, on_verified=score)
-    return {**tally, "hits": hits}
+    run = speculate(runner, drafter, prompt, max_tokens, temperature, block_size, seed, eos, on_verified=score)
+    return {**tally, "hits": hits, "verify_s": run["verify_s"], "verifies": len(run["accepted"])}
+
+
+def recommend_depth(rows: list[dict], cache_size: int) -> dict:
+    """The decoder depth to serve: the best hit rate at `cache_size` among the depths whose prediction fits
+    in the replay's verify time, else the cheapest prediction. That is the serving budget's rule
+    (`budget.plan_round`): foresight has the verify time, the prediction comes first and the outcomes are
+    drafted in what it leaves (fewer of them, fewer passes, when little is left). Both times are measured
+    here, on this machine and thread count, at the replay's block size."""
+    key = str(cache_size)
+    fits = [r for r in rows if r["predict_ms_p50"] < r["verify_ms_mean"]]
+    if fits:
+        best = max(fits, key=lambda r: r["hit_rate"].get(key, 0.0))
+        why = f"best hit rate at B={cache_size} among the depths predicting within the verify time"
+    else:
+        best = min(rows, key=lambda r: r["predict_ms_p50"])
+        why = "no depth predicts within the verify time: the cheapest"
+    return {"decoder_layers": best["decoder_layers"], "cache_size": cache_size, "why": why}
 
 
 def load_eval_target(args: argparse.Namespace):
@@ -86,31 +105,36 @@ def run_eval_foresight(args: argparse.Namespace) -> dict:
                            decoder_layers=depth, draft_passes=args.passes, calibration=args.calibration)
         drafter = make_proposer(cfg)
         if not getattr(drafter, "supports_foresight", False):
-            raise SystemExit(f"eval-foresight: {args.drafter} has no adapter (foresight) to evaluate")
+            raise SystemExit(f"eval-foresight: {args.drafter} has no adapter (foresight) to evaluate at depth {depth}")
         runner = TargetRunner.for_proposer(target, drafter)
         runs = [replay(runner, drafter, p, args.max_tokens, args.block_size, eos, sizes, args.temperature, i)
                 for i, p in enumerate(prompts)]
         rounds = sum(r["rounds"] for r in runs)
         hit_rates = {rule: {str(b): sum(r["hits"][rule][b] for r in runs) / max(1, rounds) for b in sizes}
                      for rule in runs[0]["hits"]} if runs else {}
-        row = {"decoder_layers": depth, "decoder_input_index": drafter.decoder.input_index, "rounds": rounds,
+        dec = drafter.decoder
+        row = {"decoder_layers": depth, "decoder_input_index": dec.input_index if dec else None, "rounds": rounds,
                "tau": sum(r["committed"] for r in runs) / max(1, rounds),
                "hit_rate": hit_rates.get("eq6", {}), "hit_rate_calibrated": hit_rates.get("calibrated"),
                "anchor_agreement": sum(r["anchor_agree"] for r in runs) / max(1, rounds),
-               "predict_ms_p50": 1e3 * statistics.median([s for r in runs for s in r["predict_s"]] or [0.0])}
+               "predict_ms_p50": 1e3 * statistics.median([s for r in runs for s in r["predict_s"]] or [0.0]),
+               "verify_ms_mean": 1e3 * sum(r["verify_s"] for r in runs) / max(1, sum(r["verifies"] for r in runs))}
         results.append(row)
         for rule, rates in hit_rates.items():
             hits = " ".join(f"B{b}={rates[str(b)]:.3f}" for b in sizes)
             print(f"[eval-foresight] decoder {depth} layers (input index {row['decoder_input_index']}), {rule}: "
                   f"{hits}", flush=True)
         print(f"[eval-foresight] anchor agreement {row['anchor_agreement']:.2f}, tau {row['tau']:.3f}, {rounds} "
-              f"rounds, predict {row['predict_ms_p50']:.1f} ms", flush=True)
+              f"rounds, predict {row['predict_ms_p50']:.1f} ms, verify {row['verify_ms_mean']:.1f} ms", flush=True)
+    recommended = recommend_depth(results, min(sizes, key=lambda b: abs(b - args.serve_cache_size)))
+    print(f"[eval-foresight] recommended decoder depth: {recommended['decoder_layers']} ({recommended['why']})",
+          flush=True)
     report = {"target": str(resolve_target(args.target)), "drafter": args.drafter, "adapter": args.adapter,
               "calibration": args.calibration,
               "settings": {"prompts": args.prompts, "offset": args.offset, "limit": args.limit,
                            "max_tokens": args.max_tokens, "block_size": args.block_size, "passes": args.passes,
                            "temperature": args.temperature, "threads": args.threads, "dtype": "float32"},
-              "results": results}
+              "results": results, "recommended": recommended}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return report

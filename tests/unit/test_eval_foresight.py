@@ -40,3 +40,23 @@ def test_noisy_predictions_miss(target, sequences):
     runner = TargetRunner.for_proposer(target, drafter)
     r = replay(runner, drafter, PROMPTS[0], 30, 6, [], [1, 64])
     assert r["hits"]["eq6"][1] < r["rounds"] and r["hits"]["eq6"][1] <= r["hits"]["eq6"][64]
+
+
+def test_a_depth_zero_drafter_replays_and_the_depth_is_chosen_from_measured_times(target, sequences):
+    from foresight.drafter_worker.draft_foresight import DraftOnlyForesight
+    from foresight.training.eval_foresight import recommend_depth
+    from test_foresight import make_draft_model
+
+    drafter = DraftOnlyForesight(make_draft_model(target), passes=0)
+    r = replay(TargetRunner.for_proposer(target, drafter), drafter, PROMPTS[0], 30, 6, [], [1, 4])
+    assert r["rounds"] >= 5 and r["verifies"] >= r["rounds"] and r["verify_s"] > 0
+    assert 0 <= r["hits"]["eq6"][1] <= r["hits"]["eq6"][4] <= r["rounds"]
+
+    def row(depth, hit4, predict_ms, verify_ms=40.0):
+        return {"decoder_layers": depth, "hit_rate": {"4": hit4}, "predict_ms_p50": predict_ms,
+                "verify_ms_mean": verify_ms}
+
+    # the deep decoder hits more but its prediction outlasts the verify: the best of those that fit
+    assert recommend_depth([row(0, 0.35, 5.0), row(3, 0.45, 12.0), row(15, 0.72, 55.0)], 4)["decoder_layers"] == 3
+    assert recommend_depth([row(0, 0.35, 5.0), row(15, 0.72, 38.0)], 4)["decoder_layers"] == 15  # it fits
+    assert recommend_depth([row(3, 0.45, 45.0), row(15, 0.72, 60.0)], 4)["decoder_layers"] == 3  # none fits: cheapest
