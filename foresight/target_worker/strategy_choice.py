@@ -24,6 +24,15 @@ first round after a switch, which pays for the adapter and decoder taking in the
 Measured before that (bf16 HumanEval T=1): auto's pipelined trials, a round of ~300 ms against ~45 ms of
 prompt lookup, took 4.4 % of its time for 1 % of its rounds.
 
+Rounds come in two contexts, and every figure above is kept per context: whether prompt lookup finds a match
+for the round (`round_context`, decided on the request's tokens before the round). Prompt lookup and the hybrid
+proposer do the same thing on a match and differ only on the rounds without one (a plain step against a
+draft-model block); measured over all rounds, a request's estimate of the strategy it runs mixes both kinds,
+while a one-round trial of the other is most often a round without a match, so each looked worse to requests
+running the other and requests kept whichever they started with (measured: fp32 HumanEval T=1, auto at 0.94x
+lookup with `hybrid` in 15 % of its rounds in one run, 0.99x with 1 % in the next). Per context, rivals are
+compared on the same kind of round, and each round takes the best strategy for its own context.
+
 Only rounds of `auto` requests are measured here: a request that fixed its mode teaches auto nothing.
 The first round of each strategy in a class is not measured either: first calls pay one-off costs
 (allocations, lazy initialisation, a socket's first connection) that would condemn it for long.
@@ -33,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..drafter_worker.ngram import lookup
 from ..protocol.kinds import Strategy
 
 # Strategies the target runs without the drafter. Mode auto leaves "ar" out: "ngram" with its verify-length
@@ -76,12 +86,18 @@ class RequestChoice:
 
     group: str  # the request class whose pooled figures it shares ("greedy" | "sampled")
     current: str
+    context: str = ""  # the context of the current round (`round_context`; "": not told)
     previous: str = ""  # the strategy of the round before the current one
     trial_left: int = 0  # further rounds the current trial runs
     trial_rounds: int = 0  # rounds the current trial has run (0: not in a trial)
     last_rate: float = 0.0  # tokens per second of the last measured round
-    measured: dict[str, Goodput] = field(default_factory=dict)
+    measured: dict[tuple[str, str], Goodput] = field(default_factory=dict)  # (context, strategy) -> own rounds
     rounds: dict[str, int] = field(default_factory=dict)  # strategy -> rounds run (the usage block)
+
+    @property
+    def key(self) -> str:
+        """The pooled figures the current round shares: its class's, in its context."""
+        return f"{self.group}/{self.context}" if self.context else self.group
 
 
 class StrategyChooser:
@@ -99,19 +115,17 @@ class StrategyChooser:
         # (group, strategy) -> recent rounds run, measured or not (but the first): what a round of it costs
         self.spent: dict[tuple[str, str], Goodput] = {}
 
-    def start(self, group: str) -> RequestChoice:
-        """A new request of `group`; its first round's strategy is chosen here."""
-        self.pooled.setdefault(group, {s: Goodput() for s in self.strategies})
-        self.rounds.setdefault(group, 0)
+    def start(self, group: str, context: str = "") -> RequestChoice:
+        """A new request of `group`; its first round's strategy (in `context`) is chosen here."""
         choice = RequestChoice(group=group, current="")
-        self.advance(choice)
+        self.advance(choice, context)
         return choice
 
     def observe(self, choice: RequestChoice, tokens: int, seconds: float) -> None:
         """The current round committed `tokens` in `seconds` (see the module docstring)."""
-        s = choice.current
+        s, group = choice.current, choice.key
         choice.rounds[s] = choice.rounds.get(s, 0) + 1
-        key = (choice.group, s)
+        key = (group, s)
         self.runs[key] = self.runs.get(key, 0) + 1
         if seconds > 0 and self.runs[key] > 1:
             self.spent.setdefault(key, Goodput()).add(tokens, seconds, POOLED_DECAY)
@@ -121,23 +135,27 @@ class StrategyChooser:
             return  # nothing to measure, or the strategy's first round in the class (see the docstring)
         self.measured_n[key] = self.measured_n.get(key, 0) + 1
         choice.last_rate = tokens / seconds
-        choice.measured.setdefault(s, Goodput()).add(tokens, seconds, OWN_DECAY)
-        self.pooled[choice.group][s].add(tokens, seconds, POOLED_DECAY)
-        self.rounds[choice.group] += 1
+        choice.measured.setdefault((choice.context, s), Goodput()).add(tokens, seconds, OWN_DECAY)
+        self.pooled[group][s].add(tokens, seconds, POOLED_DECAY)
+        self.rounds[group] += 1
 
-    def advance(self, choice: RequestChoice) -> str:
-        """Choose the strategy of the request's next round (it becomes `choice.current`)."""
+    def advance(self, choice: RequestChoice, context: str = "") -> str:
+        """Choose the strategy of the request's next round, whose context is `context` (it becomes
+        `choice.current`)."""
         choice.previous = choice.current
+        choice.context = context
+        self.pooled.setdefault(choice.key, {s: Goodput() for s in self.strategies})
+        self.rounds.setdefault(choice.key, 0)
         rates = self.estimates(choice)
         if choice.trial_rounds and self._trial_goes_on(choice, rates):
             choice.trial_rounds += 1
             return choice.current
         choice.trial_rounds = 0
-        untried = [s for s in self.strategies if rates[s] is None or self._untried(choice.group, s)]
+        untried = [s for s in self.strategies if rates[s] is None or self._untried(choice.key, s)]
         if untried:
             return self._trial(choice, untried[0])
         best = max(self.strategies, key=lambda s: rates[s])
-        due = self._most_overdue(choice.group, rates, best)
+        due = self._most_overdue(choice.key, rates, best)
         if due is not None:
             return self._trial(choice, due)
         choice.current = best
@@ -160,8 +178,8 @@ class StrategyChooser:
         """Tokens per second of each strategy for this request (None: nothing measured yet)."""
         out: dict[str, float | None] = {}
         for s in self.strategies:
-            own = choice.measured.get(s, Goodput())
-            pooled = self.pooled[choice.group][s]
+            own = choice.measured.get((choice.context, s), Goodput())
+            pooled = self.pooled[choice.key][s]
             weight = min(1.0, PRIOR_ROUNDS / pooled.rounds) if pooled.rounds else 0.0
             seconds = own.seconds + weight * pooled.seconds
             out[s] = (own.tokens + weight * pooled.tokens) / seconds if seconds > 0 else None
@@ -195,7 +213,7 @@ class StrategyChooser:
         return max(1.0, mean[strategy] / mean[best]) if mean[best] > 0 else 1.0
 
     def _trial(self, choice: RequestChoice, strategy: str) -> str:
-        self.tried_at[(choice.group, strategy)] = self.rounds[choice.group]
+        self.tried_at[(choice.key, strategy)] = self.rounds[choice.key]
         choice.current = strategy
         choice.trial_left = TRIAL_ROUNDS.get(strategy, 1) - 1
         choice.trial_rounds = 1
@@ -205,3 +223,9 @@ class StrategyChooser:
 def request_group(temperature: float) -> str:
     """Requests whose acceptance behaves alike share pooled figures."""
     return "greedy" if temperature == 0 else "sampled"
+
+
+def round_context(tokens: list[int], n_max: int, min_match: int) -> str:
+    """A round's context: "match" when prompt lookup finds a match of at least `min_match` tokens (the hybrid
+    proposer's threshold) after `tokens` (prompt + output; the last one is the anchor), else "free"."""
+    return "match" if lookup(tokens, 1, n_max, min_match) else "free"

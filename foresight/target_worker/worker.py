@@ -57,7 +57,7 @@ from .runner import TargetRunner
 from .step_cost import StepCost
 from .step_threads import StepThreads, drafter_busy, winding_down_only
 from .steps import RoundDrafts, StepPlan, drafter_seed, eos_ids, verify_block
-from .strategy_choice import LOCAL_STRATEGIES, StrategyChooser, request_group
+from .strategy_choice import LOCAL_STRATEGIES, StrategyChooser, request_group, round_context
 
 log = logging.getLogger("foresight.target")
 
@@ -303,7 +303,8 @@ class TargetWorker:
                 temperature=req.sampling.temperature, refinement=req.refinement, hidden=hidden,
                 sampling=req.sampling, linear_states=self.runner.linear_states(state.cache, state.prefill_pos)))
         if state.mode == Mode.AUTO and state.drafting:
-            state.choice = self.chooser.start(request_group(req.sampling.temperature))
+            state.choice = self.chooser.start(request_group(req.sampling.temperature),
+                                              self.round_context(req.prompt_ids + [verdict.token]))
         elif state.mode == Mode.AUTO:
             state.strategy = Strategy.NGRAM  # no drafter: the one strategy auto has left
         self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True)
@@ -431,10 +432,14 @@ class TargetWorker:
         state.held_local = self.policy is not None and self.policy.local
         if state.choice is not None and committed is not None and ran_own:
             self.chooser.observe(state.choice, committed, state.round_cost_s)
-            self.chooser.advance(state.choice)
+            self.chooser.advance(state.choice, self.round_context(state.request.prompt_ids + state.output_ids))
         if state.held_local:  # under load the target does better alone (load_policy.py)
             return self.policy.held_strategy(state.mode)
         return state.choice.current if state.choice is not None else state.mode
+
+    def round_context(self, tokens: list[int]) -> str:
+        """Mode auto's context of the round after `tokens` (strategy_choice.py)."""
+        return round_context(tokens, self.cfg.ngram_max, self.cfg.hybrid_min_match)
 
     def apply_stops(self, state: RequestState, tokens: list[int]) -> tuple[list[int], str | None]:
         req = state.request
