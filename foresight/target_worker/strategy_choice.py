@@ -225,7 +225,8 @@ def request_group(temperature: float) -> str:
     return "greedy" if temperature == 0 else "sampled"
 
 
-def round_context(tokens: list[int], n_max: int, min_match: int) -> str:
+def round_context(tokens: list[int], min_match: int) -> str:
     """A round's context: "match" when prompt lookup finds a match of at least `min_match` tokens (the hybrid
-    proposer's threshold) after `tokens` (prompt + output; the last one is the anchor), else "free"."""
-    return "match" if lookup(tokens, 1, n_max, min_match) else "free"
+    proposer's threshold) after `tokens` (prompt + output; the last one is the anchor), else "free". One scan
+    at n = min_match: a longer match contains one of that length."""
+    return "match" if lookup(tokens, 1, min_match, min_match) else "free"

@@ -439,7 +439,7 @@ class TargetWorker:
 
     def round_context(self, tokens: list[int]) -> str:
         """Mode auto's context of the round after `tokens` (strategy_choice.py)."""
-        return round_context(tokens, self.cfg.ngram_max, self.cfg.hybrid_min_match)
+        return round_context(tokens, self.cfg.hybrid_min_match)
 
     def apply_stops(self, state: RequestState, tokens: list[int]) -> tuple[list[int], str | None]:
         req = state.request

@@ -211,3 +211,12 @@ def test_rivals_that_differ_only_on_some_rounds_are_compared_on_those():
         rate, free = serve_in_contexts(StrategyChooser(("ngram", "hybrid")), speed, requests=60, told=True, seed=seed)
         assert rate > 0.975 * best, (seed, rate / best, free)
         assert free.get("hybrid", 0) < 0.05 * sum(free.values()), (seed, free)
+
+
+def test_round_context_is_whether_lookup_finds_a_long_enough_match():
+    from foresight.target_worker.strategy_choice import round_context
+
+    seen = [5, 6, 7, 8, 1, 2, 5, 6, 7]  # "5 6 7" occurred before, followed by 8
+    assert round_context(seen, 3) == "match"
+    assert round_context(seen, 4) == "free"  # "2 5 6 7" did not
+    assert round_context([1, 2, 3, 4, 5], 1) == "free"
