@@ -24,7 +24,8 @@ first round after a switch, which pays for the adapter and decoder taking in the
 Measured before that (bf16 HumanEval T=1): auto's pipelined trials, a round of ~300 ms against ~45 ms of
 prompt lookup, took 4.4 % of its time for 1 % of its rounds.
 
-Rounds come in two contexts, and every figure above is kept per context: whether prompt lookup finds a match
+Rounds come in two contexts, and every estimate above is kept per context (the exploring clock, the rounds
+between trials, stays the class's: contexts must not double the trials): whether prompt lookup finds a match
 for the round (`round_context`, decided on the request's tokens before the round). Prompt lookup and the hybrid
 proposer do the same thing on a match and differ only on the rounds without one (a plain step against a
 draft-model block); measured over all rounds, a request's estimate of the strategy it runs mixes both kinds,
@@ -108,6 +109,8 @@ class StrategyChooser:
             raise ValueError("auto needs at least one strategy")
         self.strategies = tuple(strategies)
         self.pooled: dict[str, dict[str, Goodput]] = {}  # group -> strategy -> recent rounds of every request
+        # The exploring clock is the class's, whatever the context: a trial in either context resets it, so
+        # contexts do not double the trials (a pipelined trial pays for the adapter and decoder catching up).
         self.rounds: dict[str, int] = {}  # group -> rounds measured
         self.tried_at: dict[tuple[str, str], int] = {}  # (group, strategy) -> rounds[group] at its last trial
         self.runs: dict[tuple[str, str], int] = {}  # (group, strategy) -> rounds run (measured or not)
@@ -137,7 +140,7 @@ class StrategyChooser:
         choice.last_rate = tokens / seconds
         choice.measured.setdefault((choice.context, s), Goodput()).add(tokens, seconds, OWN_DECAY)
         self.pooled[group][s].add(tokens, seconds, POOLED_DECAY)
-        self.rounds[group] += 1
+        self.rounds[choice.group] += 1
 
     def advance(self, choice: RequestChoice, context: str = "") -> str:
         """Choose the strategy of the request's next round, whose context is `context` (it becomes
@@ -145,7 +148,7 @@ class StrategyChooser:
         choice.previous = choice.current
         choice.context = context
         self.pooled.setdefault(choice.key, {s: Goodput() for s in self.strategies})
-        self.rounds.setdefault(choice.key, 0)
+        self.rounds.setdefault(choice.group, 0)
         rates = self.estimates(choice)
         if choice.trial_rounds and self._trial_goes_on(choice, rates):
             choice.trial_rounds += 1
@@ -155,7 +158,7 @@ class StrategyChooser:
         if untried:
             return self._trial(choice, untried[0])
         best = max(self.strategies, key=lambda s: rates[s])
-        due = self._most_overdue(choice.key, rates, best)
+        due = self._most_overdue(choice, rates, best)
         if due is not None:
             return self._trial(choice, due)
         choice.current = best
@@ -185,8 +188,10 @@ class StrategyChooser:
             out[s] = (own.tokens + weight * pooled.tokens) / seconds if seconds > 0 else None
         return out
 
-    def _most_overdue(self, group: str, rates: dict[str, float | None], best: str) -> str | None:
-        now, top = self.rounds[group], rates[best]
+    def _most_overdue(self, choice: RequestChoice, rates: dict[str, float | None], best: str) -> str | None:
+        """The rival whose trial is most overdue, if any: waits in rounds of the class, by the figures of the
+        round's context."""
+        group, now, top = choice.key, self.rounds[choice.group], rates[best]
         overdue = {}
         for s in self.strategies:
             if s == best:
@@ -195,7 +200,7 @@ class StrategyChooser:
             confidence = min(1.0, max(1.0, self.pooled[group][s].rounds) / CONFIDENT_ROUNDS)
             wait = min(MAX_WAIT, EXPLORE_ROUNDS / max(ratio, 1e-3) ** 2) * confidence
             wait *= self._round_cost(group, s, best)
-            age = now - self.tried_at.get((group, s), now)
+            age = now - self.tried_at.get((choice.group, s), now)
             if age >= wait:
                 overdue[s] = age / wait
         return max(overdue, key=overdue.get) if overdue else None
@@ -213,7 +218,7 @@ class StrategyChooser:
         return max(1.0, mean[strategy] / mean[best]) if mean[best] > 0 else 1.0
 
     def _trial(self, choice: RequestChoice, strategy: str) -> str:
-        self.tried_at[(choice.key, strategy)] = self.rounds[choice.key]
+        self.tried_at[(choice.group, strategy)] = self.rounds[choice.group]
         choice.current = strategy
         choice.trial_left = TRIAL_ROUNDS.get(strategy, 1) - 1
         choice.trial_rounds = 1
