@@ -24,8 +24,10 @@ first round after a switch, which pays for the adapter and decoder taking in the
 Measured before that (bf16 HumanEval T=1): auto's pipelined trials, a round of ~300 ms against ~45 ms of
 prompt lookup, took 4.4 % of its time for 1 % of its rounds.
 
-Rounds come in two contexts, and every estimate above is kept per context (the exploring clock, the rounds
-between trials, stays the class's: contexts must not double the trials): whether prompt lookup finds a match
+Rounds come in two contexts, and the estimates above are kept per context (what exploring needs stays the
+class's: the clock between trials, the first unmeasured round, the two measured rounds before a strategy
+competes, and a context without figures of a strategy borrows the class's; contexts must not double the
+trials, which cost most for pipelined): whether prompt lookup finds a match
 for the round (`round_context`, decided on the request's tokens before the round). Prompt lookup and the hybrid
 proposer do the same thing on a match and differ only on the rounds without one (a plain step against a
 draft-model block); measured over all rounds, a request's estimate of the strategy it runs mixes both kinds,
@@ -126,9 +128,9 @@ class StrategyChooser:
 
     def observe(self, choice: RequestChoice, tokens: int, seconds: float) -> None:
         """The current round committed `tokens` in `seconds` (see the module docstring)."""
-        s, group = choice.current, choice.key
+        s = choice.current
         choice.rounds[s] = choice.rounds.get(s, 0) + 1
-        key = (group, s)
+        key = (choice.group, s)  # first rounds, measured counts and round costs: the class's
         self.runs[key] = self.runs.get(key, 0) + 1
         if seconds > 0 and self.runs[key] > 1:
             self.spent.setdefault(key, Goodput()).add(tokens, seconds, POOLED_DECAY)
@@ -139,7 +141,8 @@ class StrategyChooser:
         self.measured_n[key] = self.measured_n.get(key, 0) + 1
         choice.last_rate = tokens / seconds
         choice.measured.setdefault((choice.context, s), Goodput()).add(tokens, seconds, OWN_DECAY)
-        self.pooled[group][s].add(tokens, seconds, POOLED_DECAY)
+        for group in {choice.key, choice.group}:  # the context's figures and the class's
+            self.pooled[group][s].add(tokens, seconds, POOLED_DECAY)
         self.rounds[choice.group] += 1
 
     def advance(self, choice: RequestChoice, context: str = "") -> str:
@@ -147,14 +150,15 @@ class StrategyChooser:
         `choice.current`)."""
         choice.previous = choice.current
         choice.context = context
-        self.pooled.setdefault(choice.key, {s: Goodput() for s in self.strategies})
+        for group in (choice.key, choice.group):
+            self.pooled.setdefault(group, {s: Goodput() for s in self.strategies})
         self.rounds.setdefault(choice.group, 0)
         rates = self.estimates(choice)
         if choice.trial_rounds and self._trial_goes_on(choice, rates):
             choice.trial_rounds += 1
             return choice.current
         choice.trial_rounds = 0
-        untried = [s for s in self.strategies if rates[s] is None or self._untried(choice.key, s)]
+        untried = [s for s in self.strategies if rates[s] is None or self._untried(choice.group, s)]
         if untried:
             return self._trial(choice, untried[0])
         best = max(self.strategies, key=lambda s: rates[s])
@@ -182,7 +186,7 @@ class StrategyChooser:
         out: dict[str, float | None] = {}
         for s in self.strategies:
             own = choice.measured.get((choice.context, s), Goodput())
-            pooled = self.pooled[choice.key][s]
+            pooled = self._pooled(choice, s)
             weight = min(1.0, PRIOR_ROUNDS / pooled.rounds) if pooled.rounds else 0.0
             seconds = own.seconds + weight * pooled.seconds
             out[s] = (own.tokens + weight * pooled.tokens) / seconds if seconds > 0 else None
@@ -191,19 +195,26 @@ class StrategyChooser:
     def _most_overdue(self, choice: RequestChoice, rates: dict[str, float | None], best: str) -> str | None:
         """The rival whose trial is most overdue, if any: waits in rounds of the class, by the figures of the
         round's context."""
-        group, now, top = choice.key, self.rounds[choice.group], rates[best]
+        now, top = self.rounds[choice.group], rates[best]
         overdue = {}
         for s in self.strategies:
             if s == best:
                 continue
             ratio = min(1.0, rates[s] / top) if top else 1.0
-            confidence = min(1.0, max(1.0, self.pooled[group][s].rounds) / CONFIDENT_ROUNDS)
+            confidence = min(1.0, max(1.0, self._pooled(choice, s).rounds) / CONFIDENT_ROUNDS)
             wait = min(MAX_WAIT, EXPLORE_ROUNDS / max(ratio, 1e-3) ** 2) * confidence
-            wait *= self._round_cost(group, s, best)
+            wait *= self._round_cost(choice.group, s, best)
             age = now - self.tried_at.get((choice.group, s), now)
             if age >= wait:
                 overdue[s] = age / wait
         return max(overdue, key=overdue.get) if overdue else None
+
+    def _pooled(self, choice: RequestChoice, strategy: str) -> Goodput:
+        """The recent rounds of `strategy` pooled over the class's requests in the round's context, or in every
+        context while this one has none (a strategy need not be explored again in each context)."""
+        pooled = self.pooled[choice.key][strategy]
+        return pooled if pooled.rounds or choice.measured.get((choice.context, strategy)) else \
+            self.pooled[choice.group][strategy]
 
     def _round_cost(self, group: str, strategy: str, best: str) -> float:
         """How many of the best strategy's rounds a round of `strategy` lasts (at least 1): the waits between
