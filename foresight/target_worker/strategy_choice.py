@@ -24,11 +24,11 @@ first round after a switch, which pays for the adapter and decoder taking in the
 Measured before that (bf16 HumanEval T=1): auto's pipelined trials, a round of ~300 ms against ~45 ms of
 prompt lookup, took 4.4 % of its time for 1 % of its rounds.
 
-Rounds come in two contexts, and the estimates above are kept per context (what exploring needs stays the
-class's: the clock between trials, the first unmeasured round, the two measured rounds before a strategy
-competes, and a context without figures of a strategy borrows the class's; contexts must not double the
-trials, which cost most for pipelined): whether prompt lookup finds a match
-for the round (`round_context`, decided on the request's tokens before the round). Prompt lookup and the hybrid
+Rounds come in two contexts, whether prompt lookup finds a match for the round (`round_context`, decided on
+the request's tokens before the round), and the estimates above are kept per context. What exploring needs
+stays the class's: the clock between trials, the first unmeasured round, the two measured rounds before a
+strategy competes, and a context without figures of a strategy borrows the class's (contexts must not double
+the trials, which cost most for pipelined). Prompt lookup and the hybrid
 proposer do the same thing on a match and differ only on the rounds without one (a plain step against a
 draft-model block); measured over all rounds, a request's estimate of the strategy it runs mixes both kinds,
 while a one-round trial of the other is most often a round without a match, so each looked worse to requests
