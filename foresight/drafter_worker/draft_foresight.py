@@ -15,7 +15,8 @@ context (positions 0..n-1):
               of positions n..n+k, which the adapter would predict.
 
 No refinement (a refresh needs the adapter and decoder); a calibration only when one fit at depth 0 is
-given (`--calibration PATH`: the shipped one was fit on the decoder's scores). The rest of the round (plan, select, batched drafting, the speculation cache) is `ForesightDrafter`'s.
+given (`--calibration PATH`: the shipped one was fit on the decoder's scores). The rest of the round (plan,
+select, batched drafting, the speculation cache) is `ForesightDrafter`'s.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from ..config import EngineConfig
 from ..models.draft_model import ContextKV, DraftModel
 from ..protocol.kinds import Refinement
 from .calibration import Calibration
-from .foresight import ForesightDrafter, _RequestState, load_calibration
+from .foresight import ForesightDrafter, _RequestState, block_rows, load_calibration
 from .jetspec_proposer import JetSpecProposer
 from .outcomes import Outcome
 from .proposer import DraftContext
@@ -81,11 +82,7 @@ class DraftOnlyForesight(ForesightDrafter):
             if state.model.positions != len(ctx.tokens) - 1:
                 raise ValueError(f"foresight needs the true states of positions 0..{len(ctx.tokens) - 2}, "
                                  f"have {state.model.positions}")
-        lengths = [len(block) + 1 for block in blocks]
-        width = max(lengths)
-        # [G, L]: a shorter block right-padded with its anchor (causal: padding changes no real position)
-        tokens = torch.tensor([[ctx.tokens[-1], *block] + ctx.tokens[-1:] * (width - length)
-                               for ctx, block, length in zip(ctxs, blocks, lengths)])
+        tokens, lengths = block_rows(ctxs, blocks)  # [G, L]
         sub = self.model.block_logits([state.draft for state in states], tokens)  # [G, L, V']
         subset = self.model.vocab_subset.to(sub.device)
         out = []

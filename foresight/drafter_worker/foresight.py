@@ -270,11 +270,7 @@ class ForesightDrafter(BatchedForesight):
         for state, n in zip(states, ns):
             if state.scored != n:
                 raise ValueError(f"foresight needs the true states of positions 0..{n - 1}, have {state.scored}")
-        lengths = [len(block) + 1 for block in blocks]
-        width = max(lengths)
-        # [G, L]: a shorter block right-padded with its anchor (the rows are causal: padding changes no real position)
-        tokens = torch.tensor([[ctx.tokens[-1], *block] + ctx.tokens[-1:] * (width - length)
-                               for ctx, block, length in zip(ctxs, blocks, lengths)])
+        tokens, lengths = block_rows(ctxs, blocks)
         pred, logits, dec_states = self._predict(states, ns, tokens, [self._take_decoder_new(s) for s in states])
         return [(pred[g, :n], logits[g, :n], dec_states[g, :n]) for g, n in enumerate(lengths)]
 
@@ -407,6 +403,16 @@ class _BoundRows:
     def draft_rows(self, states: torch.Tensor, lengths: list[int], inputs: torch.Tensor) -> torch.Tensor:
         model = self.drafter.model
         return model.draft_pass(row_contexts(model, self.state.draft, self.n, states, lengths), inputs)
+
+
+def block_rows(ctxs: list[DraftContext], blocks: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+    """Each request's [anchor, d_1..d_gamma] as rows [G, L], a shorter block right-padded with its anchor (the
+    rows are causal: padding changes no real position), and each row's real length."""
+    lengths = [len(block) + 1 for block in blocks]
+    width = max(lengths)
+    tokens = torch.tensor([[ctx.tokens[-1], *block] + ctx.tokens[-1:] * (width - length)
+                           for ctx, block, length in zip(ctxs, blocks, lengths)])
+    return tokens, lengths
 
 
 def resolve_adapter_path(cfg: EngineConfig, drafter_path: Path) -> Path | None:
