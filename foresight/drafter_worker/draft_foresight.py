@@ -74,6 +74,11 @@ class DraftOnlyForesight(ForesightDrafter):
 
     absorb = _absorb
 
+    def catch_up(self, ctx: DraftContext, stop) -> bool:
+        """`ForesightDrafter.catch_up`: here the draft model is all there is, one pass."""
+        self._absorb(ctx)
+        return True
+
     @torch.inference_mode()
     def _predict_blocks(self, states: list[_RequestState], ctxs: list[DraftContext], blocks: list[list[int]]):
         """One draft-model pass over every request's [y0, d_1..d_gamma] -> per request (None, logits

@@ -46,7 +46,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -66,6 +66,19 @@ from .proposer import Draft, DraftContext
 from .refinement import row_contexts
 
 __all__ = ["ForesightDrafter"]
+
+# Positions per adapter-and-decoder pass of a catch-up: a message for another request waits at most one pass
+# (fp32, 2-core development CPU, 15-layer decoder on one thread: ~75 ms for 32 positions).
+CATCH_UP_ROWS = 32
+
+
+def _take_rows(chunks: list[torch.Tensor], n: int) -> torch.Tensor:
+    """The first `n` rows of the concatenated `chunks` [.., width], removed from them (the rest stays, one chunk)."""
+    rows = torch.cat(chunks)
+    chunks.clear()
+    if rows.shape[0] > n:
+        chunks.append(rows[n:])
+    return rows[:n]
 
 
 @dataclass(slots=True)
@@ -216,6 +229,27 @@ class ForesightDrafter(BatchedForesight):
         return state
 
     absorb = _absorb
+
+    @torch.inference_mode()
+    def catch_up(self, ctx: DraftContext, stop: Callable[[], bool]) -> bool:
+        """Take every committed state not absorbed yet into the draft model, the adapter and the decoder now,
+        CATCH_UP_ROWS positions a pass; `stop()` true between passes (a message waits) pauses it. True when
+        done. (Mode auto switching to pipelined: no pipelined round then waits for the catch-up.)"""
+        state = self._absorb(ctx, draft_only=True)
+        while state.unscored or state.decoder_new:
+            if stop():
+                return False
+            if state.decoder_new:  # the older positions: already through the adapter
+                new = _take_rows(state.decoder_new, CATCH_UP_ROWS)  # [n, H]
+                done = not state.decoder_new and not state.unscored  # only then is the target's snapshot current
+                self.decoder.extend_context(state.decoder, new, state.decoder.length,
+                                            state.linear_states if done else None)
+                continue
+            states = _take_rows(state.unscored, CATCH_UP_ROWS)  # [n, layout.width]
+            state.adapter = self.adapter.extend_context(state.adapter, states[:, self._adapter_cols], state.scored)
+            state.decoder_new.append(states[:, self._decoder_cols])
+            state.scored += states.shape[0]
+        return True
 
     def _take_decoder_new(self, state: _RequestState) -> torch.Tensor | None:
         """The true states [m, H] at the decoder's input that its cache has not taken yet (cleared)."""

@@ -122,6 +122,11 @@ class ForesightProposer(Proposer, Protocol):
         early with what is ready (possibly nothing)."""
         ...
 
+    def catch_up(self, ctx: DraftContext, stop: Callable[[], bool]) -> bool:
+        """Run every model foresight reads over the committed states not absorbed yet, pausing between passes
+        when `stop()` is true; True when done (the worker calls it again until then)."""
+        ...
+
     # Optional: `foresee_batch(ctxs, blocks, max_drafts, budget_s, stop, confidences)`, `foresee` for several
     # requests at once (one list of entries per request); the worker then runs every queued job in one call.
 

@@ -14,7 +14,9 @@ per second (`verify_length.py`; `--verify-length max` sends every draft).
 Each `Outcome` names the strategy of the round it asks for (`strategies.py`): which proposer drafts,
 whether foresight follows. Rounds the target runs alone ("ar", "ngram") it reports in the next Outcome that
 wants a block (`Outcome.drafts`: tokens this drafter never drafted); the draft model absorbs their states
-when it next drafts, in one pass over all of them.
+when it next drafts, in one pass over all of them. An Outcome with `catch_up` (mode auto about to switch to
+"pipelined") has the foresight proposer run its adapter and decoder over them too, now: in passes of a few
+dozen positions whenever no message and no foresight job waits, answered with DrafterIdle when done.
 """
 from __future__ import annotations
 
@@ -50,6 +52,14 @@ class ForesightJob:
     req_id: str
     round: int  # the round whose block the target is verifying now
     max_drafts: int
+
+
+@dataclass(slots=True, frozen=True)
+class CatchUp:
+    """An `Outcome.catch_up` the foresight proposer has not finished; answered with DrafterIdle when done."""
+
+    req_id: str
+    round: int
 
 
 @dataclass(slots=True)
@@ -107,6 +117,7 @@ class DrafterWorker:
         self.contexts: dict[str, DraftContext] = {}
         self.cache = SpeculationCache()
         self.jobs: deque[ForesightJob] = deque()
+        self.catch_ups: deque[CatchUp] = deque()  # run when no message and no foresight job waits
         self.verify = RunningCost()  # the target's verify time of our blocks: the foresight budget
         # One verify-length controller per proposer (acceptance is the proposer's), sharing the target's
         # measured verify cost by block length.
@@ -136,11 +147,13 @@ class DrafterWorker:
     def loop(self) -> None:
         while not self.stopping:
             self.heartbeats.turn()
-            msg = self.recv_from_target.recv(timeout_ms=0 if self.jobs else IDLE_POLL_MS)
+            msg = self.recv_from_target.recv(timeout_ms=0 if self.jobs or self.catch_ups else IDLE_POLL_MS)
             if msg is not None:
                 self.handle([msg, *self.waiting_messages()])
             elif self.jobs:
                 self.run_jobs()
+            elif self.catch_ups:
+                self.run_catch_up()
 
     def waiting_messages(self) -> list:
         msgs = []
@@ -212,7 +225,10 @@ class DrafterWorker:
         proposer = self.strategies.get(msg.strategy)
         ctx.pipelined = msg.strategy == Strategy.PIPELINED
         if proposer is None:  # "ar" or "ngram": the target takes the round alone; our foresight has stopped
-            self.send_to_target.send(DrafterIdle(req_id=msg.req_id, round=msg.round))
+            if msg.catch_up and hasattr(self.proposer, "catch_up"):
+                self.catch_ups.append(CatchUp(msg.req_id, msg.round))  # DrafterIdle once it is done
+            else:
+                self.send_to_target.send(DrafterIdle(req_id=msg.req_id, round=msg.round))
             return None
         ctx.proposer = proposer.name
         t0 = time.perf_counter()
@@ -328,6 +344,21 @@ class DrafterWorker:
             return
         for job, entries in zip(jobs, got):
             self.cache.fill(job.req_id, job.round + 1, entries)
+
+    def run_catch_up(self) -> None:
+        """Go on with the oldest catch-up until a message waits or it is done; done, answer DrafterIdle (also
+        when it failed: the request's next drafts absorb what is left, and the target must not wait on)."""
+        job = self.catch_ups[0]
+        done = True
+        if (ctx := self.contexts.get(job.req_id)) is not None:
+            try:
+                done = self.proposer.catch_up(ctx, self.message_waiting)
+            except Exception:
+                log.exception("request %s: catching up on its target states failed", job.req_id)
+        if done:
+            self.catch_ups.popleft()
+            if ctx is not None:
+                self.send_to_target.send(DrafterIdle(req_id=job.req_id, round=job.round))
 
     def on_release(self, msg: ReleaseDraft) -> None:
         self.contexts.pop(msg.req_id, None)

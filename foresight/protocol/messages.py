@@ -21,9 +21,9 @@ import torch
 
 from .kinds import Mode, Refinement, Strategy
 
-PROTOCOL_VERSION = 6  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle.
+PROTOCOL_VERSION = 7  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle.
 # 4: Outcome.verify_share_s. 5: LinearStates in StartDraft and Outcome. 6: WorkerReady.layout (HiddenLayout) in
-# place of its info's hidden_layers and state_layers
+# place of its info's hidden_layers and state_layers. 7: Outcome.catch_up
 
 MESSAGE_TYPES: dict[str, type] = {}
 
@@ -285,6 +285,10 @@ class Outcome:
     # them), and `hidden` holds their states. None: `accepted` counts drafts of the drafter's own last block.
     drafts: list[int] | None = None
     linear_states: LinearStates | None = None  # hybrid targets: the state after the committed positions
+    # With a round the target runs alone: take every committed state into every model now (a foresight
+    # drafter's adapter and decoder too), then answer DrafterIdle. Mode auto asks it before switching to
+    # "pipelined", and runs prompt lookup meanwhile, so that no pipelined round waits for the catch-up.
+    catch_up: bool = False
 
     def __post_init__(self) -> None:
         self.strategy = Strategy.parse(self.strategy, "strategy")
@@ -311,7 +315,8 @@ class DraftBlock:
 @message
 class DrafterIdle:
     """The drafter's answer to an `Outcome` that opens a round the target runs alone ("ar", "ngram"): it has
-    stopped the request's foresight work, so the target's steps may run on the drafter's cores too."""
+    stopped the request's foresight work (and with `Outcome.catch_up`, finished the catch-up), so the
+    target's steps may run on the drafter's cores too."""
 
     KIND: ClassVar[str] = "drafter_idle"
     req_id: str

@@ -37,6 +37,11 @@ class RequestState:
     # The round of an Outcome that switched to a round the target runs alone, until the drafter answers it
     # with DrafterIdle (its foresight for the request may run until then: its cores are not free). 0: none.
     drafter_winding_down: int = 0
+    # Mode auto switching to "pipelined": context positions the drafter's adapter and decoder have taken in or
+    # take in with their next foresight job (a pipelined round's, a catch-up's); the rest they must catch up on.
+    foreseen: int = 0
+    catch_up_round: int = 0  # the round of the catch-up Outcome the drafter has not answered yet (0: none)
+    held_for_catch_up: bool = False  # the current round runs prompt lookup until that answer (worker.py)
     block_cache_hit: bool | None = None
     block_passes: int = 0
     block_refreshes: int = 0
@@ -75,14 +80,20 @@ class RequestState:
         self.strategy = Strategy.NGRAM if self.mode == Mode.AUTO else Strategy.AR
         self.choice = None
         self.block = None
-        self.drafter_winding_down = 0
+        self.drafter_winding_down = self.catch_up_round = 0
+        self.held_for_catch_up = False
         self.block_cache_hit = None
         self.block_passes = self.block_refreshes = 0
 
     @property
+    def positions(self) -> int:
+        """Committed tokens, prompt included (the anchor too)."""
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+    @property
     def cached_positions(self) -> int:
         """Positions in the cache after a round: every committed token but the anchor."""
-        return len(self.request.prompt_ids) + len(self.output_ids) - 1
+        return self.positions - 1
 
     def tokens_left(self) -> int:
         return self.request.max_tokens - len(self.output_ids)

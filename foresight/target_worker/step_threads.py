@@ -35,9 +35,11 @@ def drafter_busy(states: Iterable[RequestState]) -> bool:
 
 def winding_down_only(states: Iterable[RequestState]) -> bool:
     """Is the drafter busy only because a request switched to a round the target runs alone, with its
-    DrafterIdle on the way? (After a sync or hybrid round the drafter answers at once.)"""
+    DrafterIdle on the way? (After a sync or hybrid round the drafter answers at once; not so after a
+    catch-up, which takes its time.)"""
     states = list(states)
-    return any(s.drafter_winding_down for s in states) and not any(_drafting_for(s) for s in states)
+    return any(s.drafter_winding_down and s.drafter_winding_down != s.catch_up_round for s in states) \
+        and not any(_drafting_for(s) or s.catch_up_round for s in states)
 
 
 class StepThreads:

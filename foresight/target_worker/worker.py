@@ -63,6 +63,10 @@ log = logging.getLogger("foresight.target")
 
 IDLE_POLL_MS = 100
 WIND_DOWN_WAIT_MS = 2  # see drafter_still_busy
+# Mode auto switching to "pipelined" with at least this many positions its adapter and decoder have not taken
+# in runs prompt lookup until the drafter has caught up on them (`held_for_catch_up`); fewer, the first
+# foresight job takes them within its round (fp32, 2-core CPU: 16 positions of the 15-layer decoder ~40 ms).
+CATCH_UP_MIN = 16
 # What the api hears of an unexpected failure; the details go to this worker's log with the request id.
 INTERNAL_ERROR = "internal error in the target worker"
 # What a prompt-lookup drafter offers (`drafter_worker.strategies`); the drafter reports its own in WorkerReady.
@@ -278,6 +282,8 @@ class TargetWorker:
         state = self.requests.get(msg.req_id)
         if state is not None and state.drafter_winding_down == msg.round:
             state.drafter_winding_down = 0
+        if state is not None and state.catch_up_round == msg.round:
+            state.catch_up_round = 0
 
     # ------------------------------------------------------------------ one step of a request
 
@@ -391,6 +397,8 @@ class TargetWorker:
             self.drop(state.req_id)
             return
         drafter_round = stats is not None and state.awaits_block()  # before the strategy moves on
+        if drafter_round and state.strategy == Strategy.PIPELINED:
+            state.foreseen = state.positions  # its outcome goes to the drafter's next foresight job
         state.anchor = tokens[-1]
         state.round += 1
         if state.drafting:
@@ -404,13 +412,14 @@ class TargetWorker:
         block started (it would run on beside the target's steps). Rounds the drafter did not draft are
         kept and reported as the tokens it has not seen (`Outcome.drafts` + bonus) with the next round that
         wants a block."""
+        catch_up = state.held_for_catch_up and not state.catch_up_round
         if drafter_round and not state.unsent:
             outcome = dict(accepted=accepted, hidden=hidden, drafts=None)
         else:
             state.unsent += tokens
             if hidden is not None:
                 state.unsent_hidden.append(hidden)
-            if not state.awaits_block():
+            if not state.awaits_block() and not catch_up:
                 return  # a plain or prompt-lookup round next: the drafter need not wake
             outcome = dict(accepted=len(state.unsent) - 1, drafts=state.unsent[:-1],
                            hidden=torch.cat(state.unsent_hidden) if state.unsent_hidden else None)
@@ -420,22 +429,43 @@ class TargetWorker:
                                        max_drafts=self.max_drafts(state), verify_s=state.last_verify_s,
                                        verify_share_s=state.verify_share_s, strategy=state.strategy,
                                        linear_states=self.runner.linear_states(state.cache, state.cached_positions),
-                                       **outcome)):
+                                       catch_up=catch_up, **outcome)):
             state.detach()  # no block will come for this round
         elif not state.awaits_block():
             state.drafter_winding_down = state.round  # until its DrafterIdle: see drafter_busy
+            if catch_up:
+                state.catch_up_round, state.foreseen = state.round, state.positions
 
     def next_strategy(self, state: RequestState, committed: int | None) -> str:
         """The strategy of the request's next round; in mode auto, after measuring the round that just
         committed `committed` tokens (None: the prefill, which is not a round)."""
-        ran_own = not state.held_local  # the round that committed ran the request's own strategy
+        ran_own = not state.held_local and not state.held_for_catch_up  # it ran the request's own strategy
         state.held_local = self.policy is not None and self.policy.local
         if state.choice is not None and committed is not None and ran_own:
             self.chooser.observe(state.choice, committed, state.round_cost_s)
             self.chooser.advance(state.choice, self.round_context(state.request.prompt_ids + state.output_ids))
         if state.held_local:  # under load the target does better alone (load_policy.py)
             return self.policy.held_strategy(state.mode)
+        state.held_for_catch_up = self.awaits_catch_up(state)
+        if state.held_for_catch_up:
+            return Strategy.NGRAM
         return state.choice.current if state.choice is not None else state.mode
+
+    @staticmethod
+    def awaits_catch_up(state: RequestState) -> bool:
+        """Does auto's switch to "pipelined" wait for the drafter to catch up? Its adapter and decoder have not
+        taken in the positions committed since the request's last pipelined round (the prompt, rounds of
+        other strategies): the first foresight job would, taking a 15-layer decoder over them, and the round
+        after it would wait (fp32 here: ~0.4 s for 250 positions against ~65 ms a prompt-lookup round; it
+        made each pipelined trial cost auto several rounds of lookup). So the request asks for the catch-up
+        (`Outcome.catch_up`) and runs prompt lookup, unmeasured, until the drafter's DrafterIdle."""
+        if state.choice is None or state.choice.current != Strategy.PIPELINED:
+            return False
+        if state.catch_up_round:
+            return True  # asked, not answered yet
+        if state.held_for_catch_up:
+            return False  # answered: the first foresight job takes in what the rounds meanwhile committed
+        return state.strategy != Strategy.PIPELINED and state.positions - state.foreseen >= CATCH_UP_MIN
 
     def round_context(self, tokens: list[int]) -> str:
         """Mode auto's context of the round after `tokens` (strategy_choice.py)."""

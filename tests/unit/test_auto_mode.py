@@ -189,6 +189,74 @@ def test_the_drafter_answers_a_switch_to_a_target_round_with_drafter_idle():
         addrs.remove()
 
 
+def test_a_catch_up_is_answered_with_drafter_idle_once_done():
+    """An Outcome with `catch_up` (auto about to switch to pipelined) is answered only after the drafter's
+    adapter and decoder have taken in every committed state, which it does when no message waits."""
+    import zmq
+
+    from foresight.drafter_worker.worker import DrafterWorker
+    from foresight.protocol.addresses import WorkerAddresses
+    from foresight.protocol.messages import DrafterIdle, Outcome, StartDraft
+    from foresight.protocol.sockets import MessageSocket
+    from test_foresight import true_states
+
+    model = tiny_model("llama")
+    prompt = PROMPTS[0]
+    drafter = make_drafter(model, [prompt + plain_greedy(model, prompt, 8)])
+    zctx, addrs = zmq.Context(), WorkerAddresses.fresh()
+    try:
+        from_drafter = MessageSocket(zctx, zmq.PULL, addrs.drafter_to_target, bind=True)
+        worker = DrafterWorker(EngineConfig(drafter="ngram"), addrs, drafter, zctx)
+        hidden = true_states(model, prompt, drafter.layout.layers)  # [prompt_len, layout.width]
+        worker.on_start(StartDraft(req_id="r", prompt_ids=prompt, seed=0, hidden=hidden))
+        state = drafter.state(worker.contexts["r"])
+        worker.on_outcome(Outcome(req_id="r", round=1, accepted=0, bonus=5, max_drafts=4, strategy="ngram",
+                                  drafts=[], catch_up=True))
+        assert from_drafter.recv(timeout_ms=100) is None and state.decoder.length == 0  # not done yet
+        worker.run_catch_up()
+        idle = from_drafter.recv(timeout_ms=5000)
+        assert isinstance(idle, DrafterIdle) and (idle.req_id, idle.round) == ("r", 1)
+        assert state.scored == state.decoder.length == len(prompt) and not worker.catch_ups
+    finally:
+        zctx.destroy(linger=0)
+        addrs.remove()
+
+
+def test_a_switch_to_pipelined_runs_prompt_lookup_while_the_drafter_catches_up(monkeypatch):
+    """Auto's switch to pipelined (here at once: its only strategy) first has the drafter catch up on the
+    positions its adapter and decoder have not taken in (the prompt), and runs prompt lookup until the
+    drafter says it is done: no pipelined round waits for the catch-up. Greedy output stays plain greedy."""
+    from foresight.target_worker import worker as target_worker
+
+    monkeypatch.setattr(target_worker, "CATCH_UP_MIN", 4)
+    model = tiny_model("llama")
+    prompt = PROMPTS[1]
+    drafter = make_drafter(model, [prompt + plain_greedy(model, prompt, 40, eos=model.config.eos_token_id)])
+    caught_up_at: list[int] = []  # context positions in the decoder after each finished catch-up
+    catch_up = drafter.catch_up
+
+    def slow_catch_up(ctx, stop) -> bool:
+        time.sleep(0.005)  # the target runs a round or two meanwhile
+        done = catch_up(ctx, stop)
+        caught_up_at.append(drafter.state(ctx).decoder.length)
+        return done
+
+    drafter.catch_up = slow_catch_up
+    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6), proposer=drafter)
+    try:
+        engine.target.chooser = StrategyChooser(("pipelined",))
+        engine.generate(prompt, 4, mode="sync", temperature=0.0)  # the drafter's socket is connected by now
+        got = engine.generate(prompt, 40, mode="auto", temperature=0.0)
+        assert got["error"] is None
+        assert got["tokens"] == plain_greedy(model, prompt, 40, eos=model.config.eos_token_id)
+        order = [stats.strategy for stats in got["rounds"]]
+        first = order.index("pipelined")
+        assert first > 0 and set(order[:first]) == {"ngram"} and set(order[first:]) == {"pipelined"}, order
+        assert caught_up_at and caught_up_at[0] >= len(prompt)
+    finally:
+        engine.close()
+
+
 def test_a_switch_waits_a_moment_for_drafter_idle_before_borrowing():
     """After a switch to a round the target runs alone, the next step waits (briefly) for the drafter's
     DrafterIdle: it arrives within a millisecond after a hybrid round, and the step then runs on the

@@ -15,6 +15,7 @@ from foresight.config import EngineConfig
 from foresight.models.decoder import ForesightDecoder
 from foresight.models.draft_model import DraftConfig, DraftModel, SharedWeights
 from foresight.drafter_worker.calibration import Calibration
+from foresight.drafter_worker import foresight as foresight_module
 from foresight.drafter_worker.foresight import ForesightDrafter
 from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
 from foresight.drafter_worker.proposer import Draft, DraftContext
@@ -113,6 +114,30 @@ def test_pipelined_miss_drafts_before_the_adapter_and_decoder_absorb(target, seq
     assert (state.model.positions, state.scored, len(state.unscored)) == (p, 0, 1)
     drafter.foresee(ctx, block, GAMMA, budget_s=0.0)
     assert (state.model.positions, state.scored, state.unscored) == (p, p, [])
+
+
+def test_a_catch_up_runs_adapter_and_decoder_in_passes_that_pause(target, sequences, monkeypatch):
+    """`catch_up` (mode auto before a switch to pipelined) takes the committed states into the adapter and
+    decoder CATCH_UP_ROWS positions a pass, pauses when `stop()` is true, and leaves them exactly as one
+    prediction that took all of them at once."""
+    monkeypatch.setattr(foresight_module, "CATCH_UP_ROWS", 5)
+    seq, p = sequences[0], len(PROMPTS[0])  # 12 prompt positions: passes of 5, 5 and 2
+    truth = true_states(target, seq, make_drafter(target, sequences).layout.layers)
+
+    def context() -> DraftContext:
+        return DraftContext(req_id="r", tokens=seq[:p + 1], seed=0, hidden=[truth[:p]], pipelined=True)
+
+    caught, ctx = make_drafter(target, sequences), context()
+    asked = []
+    assert not caught.catch_up(ctx, lambda: asked.append(1) or len(asked) == 2)  # a message before pass 2
+    state = caught.state(ctx)
+    assert (state.model.positions, state.scored, state.decoder.length) == (p, 5, 0)
+    assert caught.catch_up(ctx, lambda: False)
+    assert (state.scored, state.decoder.length, state.unscored, state.decoder_new) == (p, p, [], [])
+    block = seq[p + 1:p + 1 + GAMMA]
+    at_once = make_drafter(target, sequences)
+    for got, want in zip(caught.predict(ctx, block), at_once.predict(context(), block)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_plan_uses_the_caps_and_the_measured_costs(target, sequences):

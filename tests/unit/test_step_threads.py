@@ -35,6 +35,10 @@ def test_the_drafter_is_busy_only_while_it_drafts_or_runs_foresight():
     assert winding_down_only([switched]) and winding_down_only([switched, state("hybrid", [5, 6])])
     assert not winding_down_only([switched, state("hybrid", None)])  # another request's block is being drafted
     assert not winding_down_only([state("ngram", None)])
+    catching_up = state("ngram", None)
+    catching_up.drafter_winding_down = catching_up.catch_up_round = 8  # auto's catch-up before pipelined
+    assert drafter_busy([catching_up])  # the drafter works for it, and takes its time: no wait for it
+    assert not winding_down_only([catching_up]) and not winding_down_only([switched, catching_up])
 
 
 def test_step_threads_borrow_the_drafters_share_and_switch_only_on_change(monkeypatch):
