@@ -20,9 +20,10 @@ over within a request instead of waiting for its stale pooled figures to fade. A
 costs (1 - r) * r**2 / EXPLORE_ROUNDS of goodput once its estimate is confident, at most 0.23 % (r = 2/3).
 That holds for rivals whose rounds last as long as the best one's; a rival with longer rounds waits longer in
 proportion (`_round_cost`), counting every round it ran: a trial's rounds that are not measured (pipelined's
-first round after a switch, which pays for the adapter and decoder taking in the context) cost time too.
-Measured before that (bf16 HumanEval T=1): auto's pipelined trials, a round of ~300 ms against ~45 ms of
-prompt lookup, took 4.4 % of its time for 1 % of its rounds.
+first round after a switch, which has no foresight) cost time too. Measured before that (bf16 HumanEval T=1):
+auto's pipelined trials, a round of ~300 ms against ~45 ms of prompt lookup, took 4.4 % of its time for 1 %
+of its rounds. (Those rounds also paid for the adapter and decoder taking in the context; since then the
+target worker has the drafter catch up first, `TargetWorker.awaits_catch_up`.)
 
 Rounds come in two contexts, whether prompt lookup finds a match for the round (`round_context`, decided on
 the request's tokens before the round), and the estimates above are kept per context. What exploring needs
