@@ -74,6 +74,9 @@ class DraftOnlyForesight(ForesightDrafter):
 
     absorb = _absorb
 
+    def lags(self, ctx: DraftContext) -> bool:
+        return False  # the draft model takes its states in one pass when it drafts
+
     def catch_up(self, ctx: DraftContext, stop) -> bool:
         """`ForesightDrafter.catch_up`: here the draft model is all there is, one pass."""
         self._absorb(ctx)

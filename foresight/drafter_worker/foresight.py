@@ -230,6 +230,13 @@ class ForesightDrafter(BatchedForesight):
 
     absorb = _absorb
 
+    def lags(self, ctx: DraftContext) -> bool:
+        """Does the decoder lack more than one catch-up pass of the context (a new request's prompt)? A
+        foresight job then catches up first, in passes a waiting message can stop; fewer positions it takes in
+        the same decoder pass as the block."""
+        state = self.requests.get(ctx.req_id)
+        return len(ctx.tokens) - 1 - (state.decoder.length if state is not None else 0) > CATCH_UP_ROWS
+
     @torch.inference_mode()
     def catch_up(self, ctx: DraftContext, stop: Callable[[], bool]) -> bool:
         """Take every committed state not absorbed yet into the draft model, the adapter and the decoder now,

@@ -58,7 +58,7 @@ class ForesightStats:
 class BatchedForesight:
     """The round of `ForesightDrafter` (its base class), which provides the stages: `_absorb`,
     `_predict_block` / `_predict_blocks` (steps 1-2), `plan`, `select`, `draft_states`, `outcome_rows`,
-    `bound_rows`, and `model`, `costs`, `temperature`, `refinement`, `stats`."""
+    `bound_rows`, `lags`, `catch_up`, and `model`, `costs`, `temperature`, `refinement`, `stats`."""
 
     refines = True  # refinement can run (an adapter and decoder to refresh drafts with)
 
@@ -90,6 +90,8 @@ class BatchedForesight:
                 continue
             # The request's refinement, else the engine's (none where nothing can refresh a draft).
             mode = Refinement.parse(ctx.refinement or self.refinement, "refinement") if self.refines else Refinement.NONE
+            if self.lags(ctx) and not self.catch_up(ctx, stop):
+                return out  # a message waits: the passes done stay done, the next job goes on from there
             state = self._absorb(ctx)
             if state.draft is not None:
                 parts.append(_Part(i, ctx, state, list(block), wanted, mode, confidence))

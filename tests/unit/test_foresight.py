@@ -140,6 +140,32 @@ def test_a_catch_up_runs_adapter_and_decoder_in_passes_that_pause(target, sequen
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_foresight_job_catches_up_in_passes_a_message_stops(target, sequences, monkeypatch):
+    """A request's first foresight job, whose decoder lacks the prompt, catches up in passes first: a message
+    that arrives meanwhile ends the job after its pass, with nothing pre-drafted (the target never waits for
+    the whole catch-up); the next job goes on from there and pre-drafts what an uninterrupted one would."""
+    monkeypatch.setattr(foresight_module, "CATCH_UP_ROWS", 4)
+    seq, p = sequences[0], len(PROMPTS[0])  # 12 prompt positions: three passes
+    truth = true_states(target, seq, make_drafter(target, sequences).layout.layers)
+
+    def started() -> tuple[ForesightDrafter, DraftContext, list[int]]:
+        drafter = make_drafter(target, sequences)
+        ctx = DraftContext(req_id="r", tokens=seq[:p + 1], seed=0, hidden=[truth[:p]], pipelined=True)
+        return drafter, ctx, drafter.propose(ctx, GAMMA).tokens
+
+    drafter, ctx, block = started()
+    asked = []
+    assert drafter.foresee(ctx, block, GAMMA, budget_s=0.0, stop=lambda: asked.append(1) or len(asked) > 1) == []
+    state = drafter.state(ctx)
+    assert (state.scored, state.decoder.length) == (4, 0)  # one adapter pass, then the message
+    got = drafter.foresee(ctx, block, GAMMA, budget_s=0.0)
+    assert state.decoder.length == p and got
+    other, other_ctx, other_block = started()
+    assert other_block == block
+    want = other.foresee(other_ctx, block, GAMMA, budget_s=0.0)
+    assert [(e.accepted, e.bonus, e.tokens) for e in got] == [(e.accepted, e.bonus, e.tokens) for e in want]
+
+
 def test_plan_uses_the_caps_and_the_measured_costs(target, sequences):
     """The round's plan: caps without a budget or a measurement; else Eq. 3 (tested in test_refinement.py)."""
     drafter = make_drafter(target, sequences, cache_size=6, foresight_passes=3, refreshes=2)
