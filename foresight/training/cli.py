@@ -140,6 +140,8 @@ def add_train_args(sub) -> None:
                    help="auto (<adapter>/calibration.json if present) | none | PATH: also rank by calibrated scores")
     f.add_argument("--threads", type=int, default=1)
     f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--record", action="store_true",
+                   help="write the recommended depth into the adapter's config.json (decoder_layers): served by default")
     f.add_argument("--out", required=True)
 
     c = sub.add_parser("calibrate-foresight", help="fit the outcome-score calibration (JetSpec++ B.1) on held-out "

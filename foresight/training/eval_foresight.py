@@ -16,7 +16,8 @@ Reported per decoder depth (`--decoder-layers`; 0 = the draft model's own scores
 hit rate at each B, the decoder's top-1 agreement with the target's token after the anchor (row 0: the
 outcome of every round whose first draft fails), tau of the replayed rounds, the median predict time
 (adapter + decoder, one thread unless --threads) and the mean verify time. `recommended` picks the depth to
-serve from those measurements (`recommend_depth`).
+serve from those measurements (`recommend_depth`); `--record` writes it into the adapter's config.json
+(`decoder_layers`), the depth the server then serves unless `--decoder-layers` says otherwise.
 """
 from __future__ import annotations
 
@@ -78,6 +79,20 @@ def recommend_depth(rows: list[dict], cache_size: int) -> dict:
     return {"decoder_layers": best["decoder_layers"], "cache_size": cache_size, "why": why}
 
 
+def record_depth(adapter_path: Path, recommended: dict, settings: dict) -> None:
+    """Write the recommended depth into the adapter checkpoint's config.json (`decoder_layers`), with what it
+    was measured on (`extra.eval_foresight`); the weights are untouched."""
+    from ..models.adapter import CONFIG_FILE, AdapterConfig
+
+    path = Path(adapter_path) / CONFIG_FILE
+    config = AdapterConfig.from_dict(json.loads(path.read_text()))
+    config.decoder_layers = int(recommended["decoder_layers"])
+    config.extra = {**config.extra, "eval_foresight": {"recommended": recommended, "settings": settings}}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    tmp.replace(path)
+
+
 def load_eval_target(args: argparse.Namespace):
     """The fp32 target, the prompts (`--prompts`, `--offset`, `--limit`) as token ids, and its EOS ids."""
     from ..bench.prompts import load_prompts
@@ -93,10 +108,26 @@ def load_eval_target(args: argparse.Namespace):
     return target, prompts, eos_ids(target)
 
 
+def eval_adapter_path(args: argparse.Namespace) -> Path:
+    """The adapter checkpoint `--drafter` / `--adapter` name (where `--record` writes)."""
+    from ..config import EngineConfig
+    from ..drafter_worker.foresight import resolve_adapter_path
+    from ..drafter_worker.jetspec_proposer import resolve_drafter_path
+
+    cfg = EngineConfig(target=args.target, drafter=args.drafter, adapter=args.adapter)
+    drafter = resolve_drafter_path(cfg)
+    adapter = resolve_adapter_path(cfg, drafter) if drafter is not None else None
+    if adapter is None:
+        raise SystemExit(f"eval-foresight --record: no adapter checkpoint to record in (--drafter {args.drafter}, "
+                         f"--adapter {args.adapter})")
+    return adapter
+
+
 def run_eval_foresight(args: argparse.Namespace) -> dict:
     from ..config import EngineConfig
     from ..drafter_worker.worker import make_proposer
 
+    record_in = eval_adapter_path(args) if args.record else None  # a wrong path fails before the replay
     target, prompts, eos = load_eval_target(args)
     sizes = _ints(args.cache_sizes)
     results = []
@@ -129,12 +160,15 @@ def run_eval_foresight(args: argparse.Namespace) -> dict:
     recommended = recommend_depth(results, min(sizes, key=lambda b: abs(b - args.serve_cache_size)))
     print(f"[eval-foresight] recommended decoder depth: {recommended['decoder_layers']} ({recommended['why']})",
           flush=True)
+    settings = {"prompts": args.prompts, "offset": args.offset, "limit": args.limit, "max_tokens": args.max_tokens,
+                "block_size": args.block_size, "passes": args.passes, "temperature": args.temperature,
+                "threads": args.threads, "dtype": "float32"}
     report = {"target": str(resolve_target(args.target)), "drafter": args.drafter, "adapter": args.adapter,
-              "calibration": args.calibration,
-              "settings": {"prompts": args.prompts, "offset": args.offset, "limit": args.limit,
-                           "max_tokens": args.max_tokens, "block_size": args.block_size, "passes": args.passes,
-                           "temperature": args.temperature, "threads": args.threads, "dtype": "float32"},
-              "results": results, "recommended": recommended}
+              "calibration": args.calibration, "settings": settings, "results": results, "recommended": recommended}
+    if record_in is not None:
+        record_depth(record_in, recommended, settings)
+        report["recorded_in"] = str(record_in)
+        print(f"[eval-foresight] recorded decoder_layers={recommended['decoder_layers']} in {record_in}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return report

@@ -60,3 +60,27 @@ def test_a_depth_zero_drafter_replays_and_the_depth_is_chosen_from_measured_time
     assert recommend_depth([row(0, 0.35, 5.0), row(3, 0.45, 12.0), row(15, 0.72, 55.0)], 4)["decoder_layers"] == 3
     assert recommend_depth([row(0, 0.35, 5.0), row(15, 0.72, 38.0)], 4)["decoder_layers"] == 15  # it fits
     assert recommend_depth([row(3, 0.45, 45.0), row(15, 0.72, 60.0)], 4)["decoder_layers"] == 3  # none fits: cheapest
+
+
+def test_the_recommended_depth_is_recorded_in_the_adapter_config(tmp_path):
+    """`eval-foresight --record` writes the depth into the adapter's config.json, where the server reads its
+    default (`adapter_depth`); everything else in the config stays as it was."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import foresight
+    from foresight.drafter_worker.foresight import adapter_depth
+    from foresight.training.eval_foresight import record_depth
+
+    shipped = Path(foresight.__file__).parent.parent / "checkpoints" / "smollm2-135m-instruct" / "adapter"
+    shutil.copy(shipped / "config.json", tmp_path / "config.json")
+    before = json.loads((tmp_path / "config.json").read_text())
+    recommended = {"decoder_layers": 0, "cache_size": 4, "why": "test"}
+    record_depth(tmp_path, recommended, {"prompts": "chat"})
+    assert adapter_depth(tmp_path) == 0
+    after = json.loads((tmp_path / "config.json").read_text())
+    assert after["extra"]["eval_foresight"] == {"recommended": recommended, "settings": {"prompts": "chat"}}
+    assert {k: v for k, v in after.items() if k not in ("decoder_layers", "extra")} == \
+        {k: v for k, v in before.items() if k not in ("decoder_layers", "extra")}
+    assert {k: v for k, v in after["extra"].items() if k != "eval_foresight"} == before["extra"]
