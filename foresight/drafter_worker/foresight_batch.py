@@ -90,8 +90,11 @@ class BatchedForesight:
                 continue
             # The request's refinement, else the engine's (none where nothing can refresh a draft).
             mode = Refinement.parse(ctx.refinement or self.refinement, "refinement") if self.refines else Refinement.NONE
-            if self.lags(ctx) and not self.catch_up(ctx, stop):
-                return out  # a message waits: the passes done stay done, the next job goes on from there
+            if self.lags(ctx):
+                caught_at = time.perf_counter()
+                if not self.catch_up(ctx, stop):
+                    return out  # a message waits: the passes done stay done, the next job goes on from there
+                t0 += time.perf_counter() - caught_at  # a one-off (a new prompt), not what predicting costs
             state = self._absorb(ctx)
             if state.draft is not None:
                 parts.append(_Part(i, ctx, state, list(block), wanted, mode, confidence))

@@ -8,6 +8,8 @@ lossless while answering most rounds from the speculation cache.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -164,6 +166,29 @@ def test_a_foresight_job_catches_up_in_passes_a_message_stops(target, sequences,
     assert other_block == block
     want = other.foresee(other_ctx, block, GAMMA, budget_s=0.0)
     assert [(e.accepted, e.bonus, e.tokens) for e in got] == [(e.accepted, e.bonus, e.tokens) for e in want]
+
+
+def test_the_catch_up_is_not_counted_as_the_prediction_cost(target, sequences, monkeypatch):
+    """The budget plans with what predicting a block costs; a new prompt's catch-up is a one-off and stays
+    out of that estimate (a clock that only the catch-up moves)."""
+    from foresight.drafter_worker import foresight_batch
+
+    clock = [0.0]
+    monkeypatch.setattr(foresight_batch, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(foresight_module, "CATCH_UP_ROWS", 4)
+    drafter = make_drafter(target, sequences)
+    catch_up = drafter.catch_up
+
+    def slow_catch_up(ctx, stop) -> bool:
+        clock[0] += 100.0
+        return catch_up(ctx, stop)
+
+    drafter.catch_up = slow_catch_up
+    seq, p = sequences[0], len(PROMPTS[0])
+    truth = true_states(target, seq, drafter.layout.layers)
+    ctx = DraftContext(req_id="r", tokens=seq[:p + 1], seed=0, hidden=[truth[:p]], pipelined=True)
+    assert drafter.foresee(ctx, drafter.propose(ctx, GAMMA).tokens, GAMMA, budget_s=0.0)
+    assert clock[0] == 100.0 and drafter.costs.predict.count == 1 and drafter.costs.predict_s == 0.0
 
 
 def test_plan_uses_the_caps_and_the_measured_costs(target, sequences):
