@@ -25,6 +25,7 @@ def test_the_drafter_is_busy_only_while_it_drafts_or_runs_foresight():
     assert not drafter_busy([state("hybrid", [5, 6])])  # block here: the drafter waits for the outcome
     assert not drafter_busy([state("sync", [5, 6])])
     assert drafter_busy([state("pipelined", [5, 6])])  # foresight runs beside the verification
+    assert not drafter_busy([state("pipelined", [])])  # no drafts sent: no foresight for that block
     assert not drafter_busy([state("hybrid", None, prefilled=False)])  # no block asked for before prefill
     assert not drafter_busy([state("hybrid", None, drafting=False)])  # detached: the drafter is down
     assert drafter_busy([state("ngram", None), state("sync", None)])  # any request's drafting counts
