@@ -43,7 +43,6 @@ count as surely accepted (`outcomes.py`). With a calibration fit on held-out rou
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -478,7 +477,7 @@ def adapter_depth(adapter_path: Path | None) -> int | None:
 
     if adapter_path is None:
         return None
-    return AdapterConfig.from_dict(json.loads((adapter_path / "config.json").read_text())).decoder_layers
+    return AdapterConfig.read(adapter_path).decoder_layers
 
 
 def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineConfig) -> ForesightDrafter:

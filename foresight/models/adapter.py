@@ -121,6 +121,17 @@ class AdapterConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
+    @classmethod
+    def read(cls, folder: str | Path) -> "AdapterConfig":
+        """The config of the checkpoint folder `folder`."""
+        return cls.from_dict(json.loads((Path(folder) / CONFIG_FILE).read_text()))
+
+    def write(self, folder: str | Path) -> None:
+        """Into the checkpoint folder `folder`, replacing its config at once (never half written)."""
+        tmp = Path(folder) / (CONFIG_FILE + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(Path(folder) / CONFIG_FILE)
+
 
 @dataclass(slots=True)
 class AdapterContext:
@@ -187,13 +198,13 @@ class Adapter(nn.Module):
         tmp = path / (WEIGHTS_FILE + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": FORMAT})
         tmp.replace(path / WEIGHTS_FILE)
-        (path / CONFIG_FILE).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        self.config.write(path)
 
     @classmethod
     def load(cls, path: str | Path, target_model, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32) -> "Adapter":
         path = Path(path)
-        cfg = AdapterConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()))
+        cfg = AdapterConfig.read(path)
         model = cls(cfg, target_model)
         model.load_state_dict({k: v.float() for k, v in load_file(str(path / WEIGHTS_FILE)).items()}, strict=True)
         return model.to(device=device, dtype=dtype).eval()

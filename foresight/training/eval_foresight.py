@@ -82,15 +82,12 @@ def recommend_depth(rows: list[dict], cache_size: int) -> dict:
 def record_depth(adapter_path: Path, recommended: dict, settings: dict) -> None:
     """Write the recommended depth into the adapter checkpoint's config.json (`decoder_layers`), with what it
     was measured on (`extra.eval_foresight`); the weights are untouched."""
-    from ..models.adapter import CONFIG_FILE, AdapterConfig
+    from ..models.adapter import AdapterConfig
 
-    path = Path(adapter_path) / CONFIG_FILE
-    config = AdapterConfig.from_dict(json.loads(path.read_text()))
+    config = AdapterConfig.read(adapter_path)
     config.decoder_layers = int(recommended["decoder_layers"])
     config.extra = {**config.extra, "eval_foresight": {"recommended": recommended, "settings": settings}}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    tmp.replace(path)
+    config.write(adapter_path)
 
 
 def load_eval_target(args: argparse.Namespace):
