@@ -111,6 +111,12 @@ class MixerState:
     def is_recording_past(self, layer_idx: int) -> bool:
         return True  # keeps the mixer off its one-token path, which updates the conv state in place
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0  # (transformers >= 5.25) no intermediate recurrent states: the adapter never crops
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """(transformers >= 5.25) the cache's position count; this stand-in keeps none."""
+
     def update_conv_state(self, conv_in: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
         """conv_in [B, conv_dim, S] -> the conv's input with its left context [B, conv_dim, kernel + S]."""

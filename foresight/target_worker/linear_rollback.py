@@ -18,6 +18,7 @@ import torch
 @dataclass
 class LinearSnapshot:
     states: dict[int, tuple[dict, dict]]  # layer -> (conv_states, recurrent_states) clones
+    counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its position count (transformers >= 5.25)
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [1, L, hidden] mixer input
     fed: int = 0  # positions fed by the verify forward
 
@@ -33,7 +34,9 @@ class LinearStateRollback:
     def begin(self, cache) -> tuple[LinearSnapshot, list]:
         """Clone the linear layers' states and hook their mixers to capture this forward's inputs."""
         snap = LinearSnapshot(states={i: (_clone(cache.layers[i].conv_states), _clone(cache.layers[i].recurrent_states))
-                                      for i in self.linear})
+                                      for i in self.linear},
+                              counts={i: cache.layers[i].cumulative_length_linear.clone() for i in self.linear
+                                      if hasattr(cache.layers[i], "cumulative_length_linear")})
         handles = [mixer.register_forward_pre_hook(_capture(snap, i), with_kwargs=True)
                    for i, mixer in self.linear.items()]
         return snap, handles
@@ -61,6 +64,8 @@ class LinearStateRollback:
                 conv, rec = snap.states[i]
                 _restore(layer.conv_states, conv)
                 _restore(layer.recurrent_states, rec)
+                if i in snap.counts:  # the replay below counts the kept positions again
+                    layer.cumulative_length_linear.copy_(snap.counts[i])
                 self.linear[i](hidden_states=snap.inputs[i][:, :keep], cache=cache)
             else:
                 layer.crop(-rejected)
