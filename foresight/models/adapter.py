@@ -209,6 +209,26 @@ class Adapter(nn.Module):
         model.load_state_dict({k: v.float() for k, v in load_file(str(path / WEIGHTS_FILE)).items()}, strict=True)
         return model.to(device=device, dtype=dtype).eval()
 
+    def deepened(self, target_model, extra: int) -> "Adapter":
+        """A copy with `extra` more layers in the top stage, below its trained ones: copies of the target layers
+        just below those, each started as the identity (`start_as_identity`), so the copy predicts exactly
+        what this adapter does until training moves them. The top index is the one a short foresight decoder
+        reads; one trained layer bridging the index below to it is too shallow (docs/benchmark.md)."""
+        top = self.config.stage_layers[-1]
+        if extra < 1 or top[0] - extra < 0:
+            raise ValueError(f"cannot add {extra} layers below target layer {top[0]} (the top stage's first)")
+        new_top = list(range(top[0] - extra, top[0])) + list(top)
+        cfg = dataclasses.replace(self.config, stage_layers=[*self.config.stage_layers[:-1], new_top],
+                                  extra=dict(self.config.extra))
+        model = Adapter(cfg, target_model).to(device=self.device, dtype=self.dtype)
+        for layer in model.stages[-1][:extra]:
+            layer.start_as_identity()
+        for s, stage in enumerate(self.stages):
+            offset = extra if s == len(self.stages) - 1 else 0
+            for j, layer in enumerate(stage):
+                model.stages[s][j + offset].load_state_dict(layer.state_dict())
+        return model
+
     def truncate(self, deepest_index: int) -> "Adapter":
         """Drop the stages above hidden-state index `deepest_index` (in place): a decoder that starts at a
         shallower index than the adapter's deepest needs only the stages up to its input."""

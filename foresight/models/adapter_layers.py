@@ -42,6 +42,19 @@ def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out  # some MoE blocks also return their router logits
 
 
+def _zero_writes(mixer_out: nn.Linear, mlp: nn.Module) -> None:
+    """Zero the projections by which a layer writes into the residual stream. Only a dense MLP (one
+    `down_proj`) is supported: a mixture of experts has one per expert and a shared one."""
+    down = getattr(mlp, "down_proj", None)
+    if not isinstance(down, nn.Linear):
+        raise NotImplementedError(f"starting a layer as the identity needs a dense MLP, got {type(mlp).__name__}")
+    with torch.no_grad():
+        for linear in (mixer_out, down):
+            linear.weight.zero_()
+            if linear.bias is not None:
+                linear.bias.zero_()
+
+
 class AdapterLayer(nn.Module):
     """A copy of one target full-attention decoder layer, run by hand so its attention can read context
     keys/values computed from other states than its block input."""
@@ -92,6 +105,12 @@ class AdapterLayer(nn.Module):
             out = out * torch.sigmoid(gate.reshape(g, q_len, -1))
         x = x + self.o_proj(out)
         return x + _mlp(self.mlp, self.post_norm(x))
+
+    def start_as_identity(self) -> None:
+        """Zero what the layer adds to the residual stream (attention output and MLP down projections): it
+        then passes its input through unchanged, and training grows it from there (the other weights keep
+        the target's, so their gradients start as soon as the output projections move)."""
+        _zero_writes(self.o_proj, self.mlp)
 
 
 class MixerState:
@@ -162,6 +181,10 @@ class LinearAdapterLayer(nn.Module):
         cache = MixerState() if state is None else MixerState(*state)
         x = x + self.mixer(hidden_states=self.input_norm(x), cache=cache)
         return x + _mlp(self.mlp, self.post_norm(x))
+
+    def start_as_identity(self) -> None:
+        """As `AdapterLayer.start_as_identity`: the mixer's output and the MLP's down projections zeroed."""
+        _zero_writes(self.mixer.out_proj, self.mlp)
 
     def block_start_states(self, ctx: torch.Tensor, ctx_lens: torch.Tensor):
         """Training. ctx [G, T, H] TRUE context states; ctx_lens [G, A] the context length (anchor) of each

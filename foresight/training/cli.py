@@ -96,6 +96,12 @@ def add_train_args(sub) -> None:
     a.add_argument("--decoder-layers", type=int, default=None,
                    help="record the foresight decoder depth to serve the adapter with (its input index must be "
                         "one the adapter predicts; default: all target layers above the deepest)")
+    a.add_argument("--init", default=None,
+                   help="an adapter checkpoint folder to start from (its stages and indices) instead of target layers")
+    a.add_argument("--deepen-top", type=int, default=None,
+                   help="with --init: add this many layers to the top stage, below its own, each starting as the "
+                        "identity (copies of the target layers below, output projections zeroed)")
+    a.add_argument("--train-top-only", action="store_true", help="freeze every stage but the top one")
     a.add_argument("--lr", type=float, default=None)
     a.add_argument("--ckpt-every", type=int, default=None)
     a.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
@@ -195,7 +201,8 @@ def train_adapter_cmd(args: argparse.Namespace) -> int:
 
     given = dict(steps=args.steps, batch_seqs=args.batch_seqs, anchors=args.anchors, block_size=args.block_size,
                  layers_per_stage=args.layers_per_stage, bottom_layers=args.bottom_layers, lr=args.lr, ckpt_every=args.ckpt_every, seed=args.seed,
-                 decoder_layers=args.decoder_layers,
+                 decoder_layers=args.decoder_layers, init=args.init, deepen_top=args.deepen_top,
+                 train_top_only=args.train_top_only or None,
                  target_indices=[int(x) for x in args.indices.split(",")] if args.indices else None)
     s = AdapterTrainSettings(device=args.device, **{k: v for k, v in given.items() if v is not None})
     target = load_target(resolve_target(args.target), torch.float32, args.device)

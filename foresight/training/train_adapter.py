@@ -57,6 +57,9 @@ class AdapterTrainSettings:
     bottom_layers: int | None = None  # depth of the bottom stage (default layers_per_stage); see Adapter.from_target
     target_indices: list[int] | None = None  # default: the data's raw indices below the final norm
     decoder_layers: int | None = None  # recorded in the checkpoint: the decoder depth to serve it with
+    init: str | None = None  # an adapter checkpoint to start from (its stages and indices), instead of the target
+    deepen_top: int = 0  # layers added to the top stage below its own, each starting as the identity
+    train_top_only: bool = False  # freeze every stage but the top one (its input distribution stays fixed)
     lr: float = 2e-4  # the stages start from target layers: a fine-tune, not training from scratch
     warmup: int = 100
     decay_frac: float = 0.25
@@ -153,6 +156,12 @@ def adapter_loss(model: Adapter, batch: AdapterBatch, scales: torch.Tensor, beta
 
 
 def build_adapter(target, data: LabelledData, s: AdapterTrainSettings) -> Adapter:
+    if s.init is not None:
+        model = Adapter.load(s.init, target)
+        s.target_indices = model.target_indices
+        return (model.deepened(target, s.deepen_top) if s.deepen_top else model).float()
+    if s.deepen_top:
+        raise ValueError("deepen_top adds layers to a trained adapter: give init")
     n_layers = target.config.num_hidden_layers
     indices = s.target_indices or [i for i in data.meta["layers"] if i < n_layers] or default_adapter_indices(n_layers)
     s.target_indices = list(indices)
@@ -173,6 +182,8 @@ def train_adapter(target, data: LabelledData, out: Path, s: AdapterTrainSettings
         model = Adapter(AdapterConfig.from_dict(state["config"]), target).float()
         model.load_state_dict(state["model"])
     model = model.to(device).train()
+    if s.train_top_only:
+        model.stages[:-1].requires_grad_(False)
     cols = columns(data, model.target_indices, model.config.hidden_size)
     scales = state["scales"] if state is not None else estimate_scales(data, cols, len(model.target_indices), s.seed)
     scales_t = torch.tensor(scales, dtype=torch.float32)
@@ -185,7 +196,9 @@ def train_adapter(target, data: LabelledData, out: Path, s: AdapterTrainSettings
         history, step = state["history"], state["step"]
         log(f"[train] resumed at step {step} from {out / STATE_FILE}")
     model.config.decoder_layers = s.decoder_layers
-    model.config.extra = {"train": asdict(s), "loss_scales": scales,
+    # a warm start keeps its recipe under "init" (a resumed run finds it there already)
+    started_from = (model.config.extra if state is None else model.config.extra.get("init")) if s.init else None
+    model.config.extra = {**({"init": started_from} if started_from else {}), "train": asdict(s), "loss_scales": scales,
                           "data": {"tokens": data.num_tokens, "sequences": len(data), "path": str(data.path)}}
     bar = tqdm(total=s.steps, initial=step, unit="step", desc="train adapter", dynamic_ncols=True)
     while step < s.steps:

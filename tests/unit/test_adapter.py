@@ -237,6 +237,45 @@ def test_train_resume_matches_uninterrupted_run(data_dir, target, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+def test_deepened_adapter_predicts_as_before(target, seq):
+    ad = trained_adapter(target)  # stages [[0, 1], [2, 3]]
+    deep = ad.deepened(target, 1)
+    assert deep.config.stage_layers == [[0, 1], [1, 2, 3]] and ad.config.stage_layers == [[0, 1], [2, 3]]
+    new = deep.stages[-1][0]
+    assert not new.o_proj.weight.any() and not new.mlp.down_proj.weight.any() and new.q_proj.weight.any()
+    states = true_states(target, seq[:, :20], INDICES)
+    a = ad.predict(ad.extend_context(ad.new_context(), states, 0), seq[:, 20:30], 20)
+    b = deep.predict(deep.extend_context(deep.new_context(), states, 0), seq[:, 20:30], 20)
+    assert torch.allclose(a, b, atol=1e-5)  # the added layer passes its input through
+    with pytest.raises(ValueError):
+        ad.deepened(target, 3)  # no target layer below layer 0 to copy
+
+
+def test_warm_start_deepens_and_trains_the_top_stage_only(data_dir, target, tmp_path):
+    data = LabelledData(data_dir)
+    start = trained_adapter(target)
+    start.config.extra = {"train": {"steps": 7}}
+    start.save(tmp_path / "start")
+    s = dict(batch_seqs=2, anchors=2, block_size=6, ckpt_every=10, lr=1e-3, warmup=1, steps=3)
+    with pytest.raises(ValueError, match="init"):
+        train_adapter(target, data, tmp_path / "x", AdapterTrainSettings(deepen_top=1, **s))
+    report = train_adapter(target, data, tmp_path / "deep", AdapterTrainSettings(
+        init=str(tmp_path / "start"), deepen_top=1, train_top_only=True, decoder_layers=2, **s))
+    deep = Adapter.load(tmp_path / "deep", target)
+    assert deep.config.stage_layers == [[0, 1], [1, 2, 3]] and deep.config.decoder_layers == 2
+    assert deep.config.extra["init"] == {"train": {"steps": 7}}  # the warm start's recipe is kept
+    start = Adapter.load(tmp_path / "start", target)
+    assert all(torch.equal(x, y) for x, y in zip(start.stages[0].state_dict().values(),
+                                                  deep.stages[0].state_dict().values()))  # frozen
+    assert deep.stages[-1][0].o_proj.weight.any()  # the added layer learned
+    # the first step's loss is the warm start's own: the added layer began as the identity
+    cols = columns(data, INDICES, H)
+    gen = torch.Generator().manual_seed(0)
+    batch = sample_adapter_blocks(data, gen, cols, 2, 2, 6, 4)
+    loss, _ = adapter_loss(start.float(), batch, torch.tensor(report["loss_scales"]))
+    assert report["history"][0]["loss"] == pytest.approx(loss.item(), rel=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------- hybrid targets
 
 HYBRIDS = ["qwen3_5", "qwen3_next"]
