@@ -458,3 +458,21 @@ def test_hybrid_training(hybrid_data, hybrid, tmp_path):
         before = adapter_loss(Adapter.from_target(hybrid, INDICES), unseen, scales)[0]
         after = adapter_loss(a, unseen, scales)[0]
     assert after < 0.8 * before, (before, after)
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_hybrid_deepened_adapter_predicts_as_before(arch, seq):
+    """An added Gated DeltaNet layer starts as the identity too (mixer output and MLP down projections
+    zeroed); a mixture-of-experts MLP (Qwen3-Next) has no single down projection and is refused."""
+    model = make_hybrid(arch)
+    ad = Adapter.from_target(model, [2, 4])  # stages [[1], [3]]: the added layer copies layer 2 (linear attention)
+    if not hasattr(model.model.layers[2].mlp, "down_proj"):
+        with pytest.raises(NotImplementedError, match="dense MLP"):
+            ad.deepened(model, 1)
+        return
+    deep = ad.deepened(model, 1)
+    assert isinstance(deep.stages[-1][0], LinearAdapterLayer) and not deep.stages[-1][0].mixer.out_proj.weight.any()
+    states = true_states(model, seq[:, :20], [2, 4])
+    a = ad.predict(ad.extend_context(ad.new_context(), states, 0), seq[:, 20:30], 20)
+    b = deep.predict(deep.extend_context(deep.new_context(), states, 0), seq[:, 20:30], 20)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
