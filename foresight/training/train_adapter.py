@@ -157,9 +157,9 @@ def adapter_loss(model: Adapter, batch: AdapterBatch, scales: torch.Tensor, beta
 
 def build_adapter(target, data: LabelledData, s: AdapterTrainSettings) -> Adapter:
     if s.init is not None:
-        model = Adapter.load(s.init, target)
+        model = Adapter.load(s.init, target)  # float32
         s.target_indices = model.target_indices
-        return (model.deepened(target, s.deepen_top) if s.deepen_top else model).float()
+        return model.deepened(target, s.deepen_top) if s.deepen_top else model
     if s.deepen_top:
         raise ValueError("deepen_top adds layers to a trained adapter: give init")
     n_layers = target.config.num_hidden_layers
