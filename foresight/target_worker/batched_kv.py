@@ -1,10 +1,11 @@
-"""Several requests' KV caches seen as one padded batch, for one target forward over all their blocks.
+"""Several requests' KV caches seen as one padded batch, for the attention of one target forward over all
+their blocks.
 
-Each request keeps its own `DynamicCache` (rollback stays a per-request crop). For a batched forward,
-`BatchedKV` stands in for the cache: at every attention layer it lays each request's past keys/values
-and the new ones of its row side by side in one padded tensor [B, kv_heads, columns, head_dim],
-returns that tensor to the attention, and hands each request a view of its own row as its updated
-layer.
+Each request keeps its own `DynamicCache` (rollback stays a per-request crop). In a batched forward the
+new tokens of every request are packed into one sequence (packed_step.py); at every attention layer
+`BatchedKV` lays each request's past keys/values and its new ones side by side in one padded tensor
+[B, kv_heads, columns, head_dim] for the attention, and hands each request a view of its own row as its
+updated layer.
 
 Row b of the batch feeds n_b tokens at positions T_b .. T_b + n_b - 1 (T_b = its cache length),
 right-padded to the longest row (L). Its keys sit at columns [0, T_b) (past) and [T_b, T_b + L)
@@ -34,14 +35,16 @@ def batchable(cache: DynamicCache) -> bool:
 
 
 class BatchedKV:
-    """The `cache` argument of one batched forward over `caches` (one per row), feeding `lengths[b]` real
-    tokens per row, padded to `width` new positions. `previous`: the last step's, whose tensors are
-    reused when the same requests step again and fit."""
+    """The padded keys/values of `caches` (one per row) in one batched forward, feeding `lengths[b]` real
+    tokens per row, padded to `width` new positions; row b's new tokens sit at `offsets[b]` of the
+    forward's packed sequence. `previous`: the last step's, whose tensors are reused when the same
+    requests step again and fit."""
 
-    def __init__(self, caches: list[DynamicCache], lengths: list[int], width: int,
+    def __init__(self, caches: list[DynamicCache], lengths: list[int], width: int, offsets: list[int],
                  previous: "BatchedKV | None" = None):
         self.caches = caches
         self.lengths = lengths
+        self.offsets = offsets
         self.width = width  # L: new positions per row, padding included
         self.past = [c.get_seq_length() for c in caches]  # T_b
         self.columns = max(self.past) + width  # W: key columns the attention sees
@@ -72,37 +75,29 @@ class BatchedKV:
         cols = torch.arange(self.columns, device=device)[None, None, :]  # [1, 1, W]
         return (cols <= self.position_ids(device)[:, :, None])[:, None]  # [B, 1, L, W]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key/value_states [B, kv_heads, L, head_dim]: the new positions of every row at `layer_idx`."""
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        """key/value_states [1, kv_heads, N, head_dim]: the forward's new positions at `layer_idx`, packed.
+        Columns past a row's real tokens keep whatever finite values they held: only padding queries see them."""
         if self.tensors[layer_idx] is None:
             self.tensors[layer_idx] = self._lay_out(key_states, value_states, layer_idx)
         keys, values = self.tensors[layer_idx]  # [B, kv_heads, capacity, head_dim]
         for b, cache in enumerate(self.caches):
-            layer, past = cache.layers[layer_idx], self.past[b]
-            keys[b, :, past:past + self.width] = key_states[b]
-            values[b, :, past:past + self.width] = value_states[b]
-            end = past + self.lengths[b]
+            layer, past, start, n = cache.layers[layer_idx], self.past[b], self.offsets[b], self.lengths[b]
+            keys[b, :, past:past + n] = key_states[0, :, start:start + n]
+            values[b, :, past:past + n] = value_states[0, :, start:start + n]
+            end = past + n
             layer.keys, layer.values = keys[b:b + 1, :, :end], values[b:b + 1, :, :end]  # [1, kv_heads, T_b + n_b, d]
         return keys[:, :, :self.columns], values[:, :, :self.columns]  # [B, kv_heads, W, head_dim]
 
     def _lay_out(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         """New tensors holding every row's past; zeros elsewhere (masked columns meet zero attention
         weights, so they must hold finite numbers)."""
-        batch, heads, _, dim = key_states.shape
-        keys = key_states.new_zeros(batch, heads, self.capacity, dim)
-        values = value_states.new_zeros(batch, heads, self.capacity, dim)
+        _, heads, _, dim = key_states.shape
+        keys = key_states.new_zeros(len(self.caches), heads, self.capacity, dim)
+        values = value_states.new_zeros(len(self.caches), heads, self.capacity, dim)
         for b, cache in enumerate(self.caches):
             if self.past[b]:
                 layer = cache.layers[layer_idx]
                 keys[b, :, :self.past[b]] = layer.keys[0]
                 values[b, :, :self.past[b]] = layer.values[0]
         return keys, values
-
-    def snapshot(self) -> list[list[tuple]]:
-        """References to every request's layers before the forward (what they view is never rewritten)."""
-        return [[(layer.keys, layer.values) for layer in c.layers] for c in self.caches]
-
-    def restore(self, snap: list[list[tuple]]) -> None:
-        for cache, layers in zip(self.caches, snap):
-            for layer, (k, v) in zip(cache.layers, layers):
-                layer.keys, layer.values = k, v

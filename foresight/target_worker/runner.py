@@ -15,6 +15,7 @@ from ..protocol.messages import HiddenLayout, LinearStates
 from .batched_kv import BatchedKV, batchable
 from .linear_rollback import LinearSnapshot, LinearStateRollback
 from .logit_head import LOGIT_PRECISIONS, Fp32LogitHead, needs_fp32_head, soft_cap
+from .packed_step import PACKS_OVER, PackedStep, packed_attention
 
 
 @dataclass(slots=True)
@@ -117,36 +118,45 @@ class TargetRunner:
 
     @property
     def batches_requests(self) -> bool:
-        """Whether requests' verify blocks can share a forward (`verify_batch`): full-attention layers only."""
-        return not self.has_sliding_layers and not self.linear and batchable(self.new_cache())
+        """Whether requests' verify blocks can share a forward (`verify_batch`): full-attention layers only,
+        attended with SDPA (what packed_sdpa reproduces)."""
+        return (not self.has_sliding_layers and not self.linear and batchable(self.new_cache())
+                and self.config._attn_implementation == PACKS_OVER)
 
     @torch.inference_mode()
-    def verify_batch(self, caches: list[DynamicCache], blocks: list[list[int]]) -> list[ForwardResult]:
-        """One forward over several requests' blocks (`[anchor, d_1..d_gamma]` each, lengths may differ):
-        result b is what `verify(caches[b], *blocks[b])` gives, up to float rounding. A forward that
-        raises leaves every cache as it was."""
-        lengths = [len(block) for block in blocks]
-        width = max(lengths)
-        kv = BatchedKV(caches, lengths, width, previous=self.last_batch)
+    def verify_batch(self, caches: list[DynamicCache], blocks: list[list[int]],
+                     chunk: tuple[DynamicCache, list[int]] | None = None) -> list[ForwardResult]:
+        """One forward over several requests' blocks (`[anchor, d_1..d_gamma]` each, lengths may differ) and
+        optionally a prompt's next `chunk` (its cache, its tokens): result b is what `verify(caches[b], *blocks[b])`
+        gives, up to float rounding; the chunk's result comes last, with its last position's logits (what
+        `prefill` gives). A forward that raises leaves every cache as it was."""
+        rows = caches + ([chunk[0]] if chunk else [])
+        tokens = blocks + ([chunk[1]] if chunk else [])
+        lengths = [len(row) for row in tokens]
+        step = PackedStep(rows, lengths, [False] * len(blocks) + [True] * bool(chunk), self.last_batch, self.device)
         self.last_batch = None
-        ids = torch.tensor([block + block[-1:] * (width - len(block)) for block in blocks],
-                           dtype=torch.long, device=self.device)  # [B, L], right-padded
+        ids = torch.tensor([[t for row in tokens for t in row]], dtype=torch.long, device=self.device)  # [1, N]
         kwargs = {"output_hidden_states": list(self.layout.layers)} if self.layout.layers else {}
-        snap = kv.snapshot()
+        # A 4-D mask is taken as given; packed_sdpa builds each row's own and never reads this one.
+        unread_mask = torch.ones(1, 1, ids.shape[1], 1, dtype=torch.bool, device=self.device)
+        snap = step.snapshot()
         try:
-            out = self.model.model(input_ids=ids, attention_mask=kv.attention_mask(self.device),
-                                   position_ids=kv.position_ids(self.device), cache=kv, use_cache=True, **kwargs)
+            with packed_attention(self.model.config):
+                out = self.model.model(input_ids=ids, attention_mask=unread_mask, cache=step, use_cache=True,
+                                       position_ids=step.position_ids(self.device), packed_step=step, **kwargs)
         except BaseException:
-            kv.restore(snap)
+            step.restore(snap)
             raise
-        self.last_batch = kv
-        rows = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], device=self.device)  # [N]
-        cols = torch.tensor([i for n in lengths for i in range(n)], device=self.device)  # [N]
-        logits = self._logits_at(out.last_hidden_state[rows, cols], (rows, cols)).split(lengths)  # [n_b, vocab]
-        hidden = [None] * len(blocks)
+        self.last_batch = step.batch
+        keep = [n if b < len(blocks) else 1 for b, n in enumerate(lengths)]  # a chunk: its last position only
+        cols = torch.tensor([o + n - k + i for o, n, k in zip(step.offsets, lengths, keep) for i in range(k)],
+                            device=self.device)  # [K] packed positions whose logits are wanted
+        select = (torch.zeros_like(cols), cols)
+        logits = self._logits_at(out.last_hidden_state[select], select).split(keep)  # [keep_b, vocab] each
+        hidden = [None] * len(rows)
         if self.layout.layers:
-            states = self.layout.concat(out.hidden_states)  # [B, L, width]
-            hidden = [states[b, :n] for b, n in enumerate(lengths)]
+            states = self.layout.concat(out.hidden_states)[0]  # [N, width]
+            hidden = [states[o:o + n] for o, n in zip(step.offsets, lengths)]
         return [ForwardResult(logits=lg, hidden=h) for lg, h in zip(logits, hidden)]
 
     def _logits_at(self, normed: torch.Tensor, select) -> torch.Tensor:

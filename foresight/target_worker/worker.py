@@ -203,13 +203,11 @@ class TargetWorker:
         self.run_step(StepPlan.of(state))
 
     def run_step(self, plan: StepPlan) -> None:
+        chunk = plan.prefill if plan.prefill is not None and plan.prefill.req_id in self.requests else None
         if plan.rounds:
-            self.run_rounds(plan.rounds)
-        if plan.prefill is not None and plan.prefill.req_id in self.requests:
-            # The verify blocks come first; the prompt gets what is left of the step's token budget.
-            budget = max(self.cfg.block_size,
-                         self.cfg.max_num_batched_tokens - len(plan.rounds) * self.cfg.block_size)
-            self.guarded(plan.prefill, self.prefill, plan.prefill, budget)
+            self.run_rounds(plan.rounds, chunk)
+        elif chunk is not None:
+            self.guarded(chunk, self.prefill, chunk, self.cfg.max_num_batched_tokens)
 
     def guarded(self, state: RequestState, fn, *args) -> None:
         """Run one request's part of a step; if it raises, that request fails alone."""
@@ -288,13 +286,20 @@ class TargetWorker:
     # ------------------------------------------------------------------ one step of a request
 
     def prefill(self, state: RequestState, budget: int) -> None:
-        """Feed the prompt's next chunk of at most `budget` tokens; after the last one, commit the first token
-        and start the drafter on the request."""
-        req = state.request
+        """Feed the prompt's next chunk of at most `budget` tokens in a forward of its own."""
+        chunk = self.next_chunk(state, budget)
+        self.chunk_done(state, chunk, self.runner.prefill(state.cache, chunk))
+
+    def next_chunk(self, state: RequestState, budget: int) -> list[int]:
+        """The prompt's next at most `budget` tokens, not yet fed (its cache is made here)."""
         if state.cache is None:
             state.cache = self.runner.new_cache()
-        chunk = req.prompt_ids[state.prefill_pos: state.prefill_pos + budget]
-        result = self.runner.prefill(state.cache, chunk)
+        return state.request.prompt_ids[state.prefill_pos: state.prefill_pos + budget]
+
+    def chunk_done(self, state: RequestState, chunk: list[int], result) -> None:
+        """`chunk` went into the cache (`result`: its forward's, logits of its last position); after the
+        prompt's last chunk, commit the first token and start the drafter on the request."""
+        req = state.request
         state.prefill_pos += len(chunk)
         if result.hidden is not None:
             state.prefill_hidden.append(result.hidden)
@@ -315,8 +320,9 @@ class TargetWorker:
             state.strategy = Strategy.NGRAM  # no drafter: the one strategy auto has left
         self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True)
 
-    def run_rounds(self, states: list[RequestState]) -> None:
-        """Verify the blocks of `states`' rounds: in one forward when batching, else one forward each."""
+    def run_rounds(self, states: list[RequestState], chunk_state: RequestState | None = None) -> None:
+        """Verify the blocks of `states`' rounds and feed `chunk_state`'s next prompt chunk: in one forward
+        when batching, else one forward each."""
         rounds = []
         for state in states:
             t0 = time.perf_counter()
@@ -326,22 +332,37 @@ class TargetWorker:
                 self.fail(state)
             else:
                 state.waited_s += time.perf_counter() - t0  # prompt lookup: this round's own drafting
-        if len(rounds) > 1 and self.batching:
-            t0 = time.perf_counter()
-            try:
-                results = self.runner.verify_batch([r.state.cache for r in rounds],
-                                                   [[r.state.anchor, *r.draft] for r in rounds])
-            except Exception:  # find the request that fails, and let it fail alone
-                log.exception("a batched verify forward failed: verifying its %d requests one by one", len(rounds))
-            else:
-                verify_s = time.perf_counter() - t0
-                lengths = [1 + len(r.draft) for r in rounds]
-                self.step_cost.observe(sum(lengths), verify_s)
-                for r, result, share_s in zip(rounds, results, self.step_cost.shares(lengths, verify_s)):
-                    self.guarded(r.state, self.finish_round, r, result, verify_s, share_s)
+        lengths = [1 + len(r.draft) for r in rounds]
+        # The verify blocks come first; the prompt gets what is left of the step's token budget.
+        budget = max(self.cfg.block_size, self.cfg.max_num_batched_tokens - sum(lengths))
+        if self.batching and rounds and (len(rounds) > 1 or chunk_state is not None):
+            if self.run_batched(rounds, chunk_state, budget):
                 return
         for r in rounds:
             self.guarded(r.state, self.verify_alone, r)
+        if chunk_state is not None and chunk_state.req_id in self.requests:
+            self.guarded(chunk_state, self.prefill, chunk_state, budget)
+
+    def run_batched(self, rounds: list[RoundDrafts], chunk_state: RequestState | None, budget: int) -> bool:
+        """One forward over `rounds`' blocks and `chunk_state`'s next chunk; False if it raised (nothing fed)."""
+        chunk = self.next_chunk(chunk_state, budget) if chunk_state is not None else None
+        blocks = [[r.state.anchor, *r.draft] for r in rounds]
+        t0 = time.perf_counter()
+        try:
+            results = self.runner.verify_batch([r.state.cache for r in rounds], blocks,
+                                               (chunk_state.cache, chunk) if chunk_state is not None else None)
+        except Exception:  # find the request that fails, and let it fail alone
+            log.exception("a batched forward failed: running its %d requests one by one",
+                          len(rounds) + (chunk_state is not None))
+            return False
+        verify_s = time.perf_counter() - t0
+        lengths = [len(block) for block in blocks] + ([len(chunk)] if chunk_state is not None else [])
+        self.step_cost.observe(sum(lengths), verify_s)
+        for r, result, share_s in zip(rounds, results, self.step_cost.shares(lengths, verify_s)):
+            self.guarded(r.state, self.finish_round, r, result, verify_s, share_s)
+        if chunk_state is not None:
+            self.guarded(chunk_state, self.chunk_done, chunk_state, chunk, results[-1])
+        return True
 
     def round_drafts(self, state: RequestState) -> RoundDrafts:
         """The drafts a round verifies: the drafter's block, or the target's own (none, or prompt lookup)."""

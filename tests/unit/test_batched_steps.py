@@ -33,15 +33,19 @@ def llama():
 
 def prefilled(runner: TargetRunner, prompt: list[int]):
     cache = runner.new_cache()
-    runner.prefill(cache, prompt)
+    if prompt:
+        runner.prefill(cache, prompt)
     return cache
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_verify_batch_gives_what_each_verify_gives(arch):
+@pytest.mark.parametrize("arch,blocks", [
+    ("llama", [[7, 8, 9], [4], [1, 2, 3, 4, 5], [9, 9]]),  # lengths differ: the attention pads rows
+    ("qwen3", [[7, 8, 9], [4], [1, 2, 3, 4, 5], [9, 9]]),
+    ("llama", [[7, 8], [4, 1], [1, 2], [9, 9]]),  # one length: the packed rows are the padded batch
+])
+def test_verify_batch_gives_what_each_verify_gives(arch, blocks):
     model = tiny_model(arch)
     runner = TargetRunner(model, HiddenLayout((1, 2), model.config.hidden_size))
-    blocks = [[7, 8, 9], [4], [1, 2, 3, 4, 5], [9, 9]]  # lengths differ: rows are padded
     alone = []
     for prompt, block in zip(PROMPTS, blocks):
         cache = prefilled(runner, prompt)
@@ -62,6 +66,36 @@ def test_verify_batch_gives_what_each_verify_gives(arch):
         runner.rollback(cache_b, 1, b)
         torch.testing.assert_close(runner.verify(cache_b, 3, [4]).logits, runner.verify(cache_a, 3, [4]).logits,
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fed", [0, 9])  # a prompt's first chunk, and one that continues it
+def test_a_prompt_chunk_in_the_forward_gives_what_it_gives_alone(llama, fed):
+    """A prompt chunk packed with verify blocks: the chunk's last logits, its states and its cache are what a
+    prefill of its own gives, and the blocks' results what their verifies alone give."""
+    runner = TargetRunner(llama, HiddenLayout((1, 2), llama.config.hidden_size))
+    prompt, blocks = PROMPTS[3], [[7, 8, 9], [4], [1, 2, 3, 4, 5]]
+    chunk_alone, chunk_together = prefilled(runner, prompt[:fed]), prefilled(runner, prompt[:fed])
+    want_chunk = runner.prefill(chunk_alone, prompt[fed:])
+    want = []
+    for p, block in zip(PROMPTS, blocks):
+        cache = prefilled(runner, p)
+        want.append(runner.verify(cache, block[0], block[1:]))
+    caches = [prefilled(runner, p) for p in PROMPTS[:3]]
+    *got, got_chunk = runner.verify_batch(caches, blocks, (chunk_together, prompt[fed:]))
+    assert len(got) == len(blocks)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.hidden, a.hidden, atol=1e-5, rtol=1e-5)
+    assert got_chunk.logits.shape == want_chunk.logits.shape == (1, llama.config.vocab_size)
+    torch.testing.assert_close(got_chunk.logits, want_chunk.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_chunk.hidden, want_chunk.hidden, atol=1e-5, rtol=1e-5)
+    assert chunk_together.get_seq_length() == len(prompt)
+    for la, lb in zip(chunk_alone.layers, chunk_together.layers):
+        torch.testing.assert_close(lb.keys, la.keys, atol=1e-5, rtol=1e-5)
+    # The model attends as before once the packed forward is over, and the chunk's cache goes on as usual.
+    torch.testing.assert_close(runner.verify(chunk_together, 3, [4]).logits,
+                               runner.verify(chunk_alone, 3, [4]).logits, atol=1e-5, rtol=1e-5)
+    assert llama.config._attn_implementation == "sdpa"
 
 
 def test_consecutive_batched_steps_reuse_the_layout_and_stay_exact(llama):
@@ -96,11 +130,17 @@ def test_a_failed_batched_forward_leaves_every_cache_as_it_was(llama, monkeypatc
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
 
+    fresh = runner.new_cache()  # a prompt's first chunk: its layers are not even initialised yet
     monkeypatch.setattr(llama.model.layers[1], "forward", broken)  # after layer 0 has written its KV
     with pytest.raises(RuntimeError, match="injected"):
-        runner.verify_batch(caches, [[1, 2], [3]])
+        runner.verify_batch(caches, [[1, 2], [3]], (fresh, [4, 5, 6]))
     for cache, layers in zip(caches, before):
         assert all(layer.keys is k and layer.values is v for layer, (k, v) in zip(cache.layers, layers))
+    assert fresh.get_seq_length() == 0 and not fresh.layers[0].is_initialized
+    assert llama.config._attn_implementation == "sdpa"
+    monkeypatch.undo()
+    torch.testing.assert_close(runner.prefill(fresh, [4, 5, 6]).logits,
+                               runner.prefill(runner.new_cache(), [4, 5, 6]).logits)
 
 
 def test_only_full_attention_targets_batch():
@@ -110,14 +150,14 @@ def test_only_full_attention_targets_batch():
 
 
 def spy_steps(engine: InProcessEngine) -> list[tuple[int, bool]]:
-    """Record (rounds verified, a prompt chunk too?) of every target step."""
-    steps, run_step = [], engine.target.run_step
+    """Record (blocks verified, a prompt chunk too?) of every batched forward of the target."""
+    steps, verify_batch = [], engine.target.runner.verify_batch
 
-    def recording(plan):
-        steps.append((len(plan.rounds), plan.prefill is not None))
-        run_step(plan)
+    def recording(caches, blocks, chunk=None):
+        steps.append((len(blocks), chunk is not None))
+        return verify_batch(caches, blocks, chunk)
 
-    engine.target.run_step = recording
+    engine.target.runner.verify_batch = recording
     return steps
 
 
@@ -135,7 +175,7 @@ def test_requests_served_together_equal_plain_greedy(llama, mode):
         assert results[rid]["tokens"] == plain_greedy(llama, prompt, 40, eos=llama.config.eos_token_id)
     if mode == "ngram":  # rounds the target drafts itself are always ready (sync rounds wait for blocks)
         assert any(rounds >= 2 for rounds, _ in steps), "no step verified two requests together"
-        assert any(rounds >= 1 and chunk for rounds, chunk in steps), "no prompt chunk shared a step with rounds"
+        assert any(rounds >= 1 and chunk for rounds, chunk in steps), "no prompt chunk shared a forward with rounds"
     accepted = {r.accepted for rid in ids for r in results[rid]["rounds"] if r.drafted}
     assert len(accepted) >= 2, f"every block had the same accept length {accepted}: rows were never uneven"
 
