@@ -15,6 +15,7 @@ from .protocol.kinds import Mode, Refinement
 VERIFICATIONS = ("exact", "nucleus")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 VERIFY_LENGTHS = ("auto", "prefix", "max")
+CPU_LINEARS = ("auto", "prepacked", "plain")  # target_worker/cpu_linear.py
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -48,6 +49,9 @@ class EngineConfig:
     # The drafter's own dtype (draft model, adapter, decoder): "auto" = the target's on a GPU; on a CPU bf16
     # where the CPU has native bf16 matmuls, else fp32 (target_worker/loading.py, resolve_drafter_dtype)
     drafter_dtype: str = "auto"
+    # Linear layers on a CPU: "prepacked" = weights packed once for oneDNN (target_worker/cpu_linear.py),
+    # "plain" = nn.Linear, "auto" = prepacked for fp32 models (bf16 is not measured on a native-bf16 CPU yet)
+    cpu_linear: str = "auto"
     target_device: str = "cpu"
     drafter_device: str = "cpu"
     target_threads: int = 1
@@ -77,6 +81,7 @@ class EngineConfig:
         _check_choice("verification", self.verification, VERIFICATIONS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("drafter_dtype", self.drafter_dtype, DTYPES)
+        _check_choice("cpu_linear", self.cpu_linear, CPU_LINEARS)
         _check_choice("verify_length", self.verify_length, VERIFY_LENGTHS)
         if not 0.0 < self.nucleus_threshold <= 1.0:
             raise ConfigError("nucleus_threshold must lie in (0, 1]")
@@ -215,6 +220,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter-dtype", default=d.drafter_dtype, choices=DTYPES,
                    help="the drafter's dtype (auto: the target's on a GPU; on a CPU bf16 where it has native "
                         "bf16 matmuls, else float32)")
+    g.add_argument("--cpu-linear", default=d.cpu_linear, choices=CPU_LINEARS,
+                   help="linear layers on a CPU: prepacked (weights packed once for oneDNN), plain (nn.Linear), "
+                        "auto (prepacked for float32 models)")
     g.add_argument("--target-device", default=d.target_device)
     g.add_argument("--drafter-device", default=d.drafter_device)
     g.add_argument("--target-threads", type=int, default=d.target_threads)

@@ -25,6 +25,7 @@ from ..protocol.messages import GenerateRequest
 from ..server.engine_client import EngineClient
 from ..server.openai_schemas import ChatCompletionRequest, CompletionRequest
 from ..server.serving import RequestRunner
+from ..target_worker.cpu_linear import use_cpu_linears
 from ..target_worker.loading import load_target, load_tokenizer, resolve_dtype, resolve_target
 from ..target_worker.runner import TargetRunner
 from . import numerics
@@ -284,7 +285,9 @@ def numerics_probe(cfg: EngineConfig, args: argparse.Namespace, requests: list[G
     if differing:
         dtype = resolve_dtype(cfg.dtype, cfg.target_device)
         torch.set_num_threads(cfg.target_threads)
-        runner = TargetRunner(load_target(resolve_target(cfg.target), dtype, cfg.target_device))
+        model = load_target(resolve_target(cfg.target), dtype, cfg.target_device)
+        use_cpu_linears(model, cfg.cpu_linear, cfg.target_device, "numerics probe")  # as the server's target
+        runner = TargetRunner(model)
         prompts = [r.prompt_ids for r in requests]
         for r in differing:
             found = numerics.probe(runner, dtype, prompts, tallies["ar"].outputs, tallies[r.label].outputs)
@@ -356,7 +359,7 @@ def machine_info(cfg: EngineConfig) -> dict:
     return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
             "target_device": cfg.target_device, "drafter_device": cfg.drafter_device,
             "target_threads": cfg.target_threads, "drafter_threads": cfg.drafter_threads,
-            "borrow_drafter_threads": cfg.borrow_drafter_threads,
+            "borrow_drafter_threads": cfg.borrow_drafter_threads, "cpu_linear": cfg.cpu_linear,
             "dtype": str(resolve_dtype(cfg.dtype, cfg.target_device)).replace("torch.", ""),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 

@@ -52,6 +52,7 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..protocol.kinds import Refinement
 from ..protocol.messages import HiddenLayout, LinearStates, SamplingParams
+from ..target_worker.cpu_linear import use_cpu_linears
 from ..target_worker.sampling import target_probs
 from ..target_worker.verification import in_nucleus
 from .budget import Plan, StepCosts, plan_round
@@ -495,6 +496,9 @@ def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineCon
                           f"{[n_target - i for i in adapter.target_indices]}")
     subset = model.vocab_subset if model.config.vocab_subset_size else None  # the draft model's vocabulary
     decoder = ForesightDecoder(target, n_layers=n_layers, vocab_subset=subset)
+    decoder_layers = torch.nn.ModuleList(decoder.layers)  # the target layers it runs (shared)
+    for part, name in ((model, "draft model"), (adapter, "adapter"), (decoder_layers, "foresight decoder")):
+        use_cpu_linears(part, cfg.cpu_linear, cfg.drafter_device, name)
     return ForesightDrafter(model, adapter, decoder, passes=cfg.draft_passes, cache_size=cfg.cache_size,
                             refreshes=cfg.draft_refreshes, refinement=cfg.refinement,
                             use_budget=cfg.foresight_budget, calibration=load_calibration(cfg, adapter_path))

@@ -16,6 +16,7 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..models.draft_model import ContextKV, DraftModel, SharedWeights, draw_noise, is_checkpoint
 from ..protocol.messages import HiddenLayout
+from ..target_worker.cpu_linear import use_cpu_linears
 from .proposer import Draft, DraftContext
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"  # the embedded default target's drafter
@@ -86,7 +87,9 @@ class JetSpecProposer:
     @classmethod
     def from_config(cls, path: Path, cfg: EngineConfig) -> "JetSpecProposer":
         target, dtype = load_drafter_target(cfg)
-        return cls.load(path, target, cfg.drafter_device, dtype, cfg.draft_passes)  # the target's layers are dropped after this
+        proposer = cls.load(path, target, cfg.drafter_device, dtype, cfg.draft_passes)  # the target's layers are dropped
+        use_cpu_linears(proposer.model, cfg.cpu_linear, cfg.drafter_device, "draft model")
+        return proposer
 
     def add_request(self, ctx: DraftContext) -> None:
         """The prompt's target states into the context K/V at once (`DrafterWorker.on_start`)."""

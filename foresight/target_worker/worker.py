@@ -48,6 +48,7 @@ from ..protocol.messages import (
 from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
 from ..protocol.sockets import MessageSocket
 from ..protocol.transport import default_transport
+from .cpu_linear import use_cpu_linears
 from .loading import load_target, resolve_dtype, resolve_target
 from .sampling import PositionDraws
 from .load_policy import LoadPolicy
@@ -92,8 +93,9 @@ class TargetWorker:
         self.runner = runner
         self.batching = cfg.batched_steps and runner.batches_requests
         if cfg.batched_steps and not self.batching:
-            log.info("batched steps off: the target has sliding-window or linear-attention layers, whose "
-                     "caches cannot share a padded forward; one request per forward")
+            log.info("batched steps off: the target has sliding-window or linear-attention layers, whose caches "
+                     "cannot share a packed forward, or attends with %r rather than SDPA; one request per forward",
+                     runner.config._attn_implementation)
         self.policy = LoadPolicy() if self.batching else None  # whether rounds may draft under load
         self.step_tokens, self.step_ended = 0, time.perf_counter()  # tokens committed in the step; its end
         self.eos_token_ids = eos_token_ids
@@ -529,6 +531,7 @@ def main(cfg_dict: dict, addrs_dict: dict, layout_dict: dict, strategies: list[s
     with worker_lifetime(ctx, addrs, "target"):
         path = resolve_target(cfg.target)
         model = load_target(path, resolve_dtype(cfg.dtype, cfg.target_device), cfg.target_device)
+        use_cpu_linears(model, cfg.cpu_linear, cfg.target_device, "target")
         runner = TargetRunner(model, HiddenLayout(**layout_dict))
         max_len = cfg.max_model_len or model.config.max_position_embeddings
         TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),
