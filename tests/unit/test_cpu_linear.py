@@ -39,8 +39,9 @@ def test_where_autograd_records_it_is_nn_linear():
     assert x.grad is not None and linear.weight.grad is not None
 
 
-def test_a_prepacked_model_keeps_its_weights_and_predicts_as_before():
-    model = tiny_model("llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "qwen3_5"])
+def test_a_prepacked_model_keeps_its_weights_and_predicts_as_before(arch):
+    model = tiny_model(arch)
     plain = copy.deepcopy(model)
     linears = sum(type(m) is nn.Linear for m in model.modules())
     assert prepack_linears(model) == linears > 0
