@@ -3,10 +3,10 @@
 On a CPU, `nn.Linear` calls the BLAS on the plain [out, in] weight, which it re-blocks on every call; from
 2 rows on it measured as slow as 2 one-row products on this project's AVX2 machines. oneDNN can pack a
 weight once into its own blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what PyTorch's inductor
-does for CPU linears) and multiply from it (`torch.ops.mkldnn._linear_pointwise`). Measured on SmolLM2-135M,
-fp32, 2 threads of an AMD EPYC without AVX-512 (docs/benchmark.md): a 1-token step 59 -> 47 ms, an
-8-position verify 137 -> 88 ms, 8 requests' batched step 110 -> 79 ms. Results differ from `nn.Linear`
-by float rounding only (another summation order, ~1e-5 relative).
+does for CPU linears) and multiply from it (`torch.ops.mkldnn._linear_pointwise`). Measured on SmolLM2-135M in
+fp32 on 2 threads of an AMD EPYC without AVX-512 (`scripts/cpu_linear.py`; docs/benchmark.md, "Prepacked
+linears"): 1.2x on a 1-token step, 1.3-1.7x on an 8-position verify or an 8-request step. Results differ from
+`nn.Linear` by float rounding only (another summation order, ~1e-5 relative).
 
 `PrepackedLinear` keeps the module's own `weight` (tied embeddings and the fp32 logit head read it) and
 multiplies with the packed copy; it falls back to `nn.Linear`'s product wherever autograd records.

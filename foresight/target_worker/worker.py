@@ -334,9 +334,8 @@ class TargetWorker:
                 self.fail(state)
             else:
                 state.waited_s += time.perf_counter() - t0  # prompt lookup: this round's own drafting
-        lengths = [1 + len(r.draft) for r in rounds]
         # The verify blocks come first; the prompt gets what is left of the step's token budget.
-        budget = max(self.cfg.block_size, self.cfg.max_num_batched_tokens - sum(lengths))
+        budget = max(self.cfg.block_size, self.cfg.max_num_batched_tokens - sum(1 + len(r.draft) for r in rounds))
         if self.batching and rounds and (len(rounds) > 1 or chunk_state is not None):
             if self.run_batched(rounds, chunk_state, budget):
                 return
