@@ -1,8 +1,8 @@
 """Median time of one batched target step against the number of requests in it (the ceiling of batching).
 
-    .venv/bin/python scripts/batch_step.py [float32|bfloat16] [threads]
+    .venv/bin/python scripts/batch_step.py [float32|bfloat16] [threads] [auto|prepacked|plain]
 
-Each request holds its own 200-token context (`TargetRunner.prefill`); a step feeds one token per request
+Linear layers as the server's `--cpu-linear` (third argument, default auto). Each request holds its own 200-token context (`TargetRunner.prefill`); a step feeds one token per request
 through `TargetRunner.verify_batch`, as the target worker's plain steps under load do (B = 1: `verify`).
 Throughput at B requests over one request's is B x (one-request step) / (B-request step): what `ar` at B
 clients could reach if nothing but the forward cost time (no prefills, sampling, messages or HTTP).
@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from foresight.target_worker.cpu_linear import use_cpu_linears
 from foresight.target_worker.loading import load_target, resolve_target
 from foresight.target_worker.runner import TargetRunner
 
@@ -37,7 +38,9 @@ def median_step_ms(runner: TargetRunner, requests: int, steps: int = 25) -> floa
 def main() -> None:
     dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float32")
     torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
-    runner = TargetRunner(load_target(resolve_target(None), dtype, "cpu"))
+    model = load_target(resolve_target(None), dtype, "cpu")
+    use_cpu_linears(model, sys.argv[3] if len(sys.argv) > 3 else "auto", "cpu", "target")  # as the server does
+    runner = TargetRunner(model)
     one = None
     for requests in (1, 2, 4, 8, 16):
         ms = median_step_ms(runner, requests)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from foresight.config import EngineConfig
+from foresight.target_worker import cpu_linear
 from foresight.target_worker.cpu_linear import PrepackedLinear, prepack_linears, prepacking_available, use_cpu_linears
 from support.inprocess import InProcessEngine
 from support.tiny_models import plain_greedy, tiny_model
@@ -77,7 +78,26 @@ def test_the_choice_of_linears():
     assert not any(isinstance(m, PrepackedLinear) for m in fp32.modules())
     assert use_cpu_linears(fp32, "auto", "cpu", "test")
     assert any(isinstance(m, PrepackedLinear) for m in fp32.modules())
-    bf16 = tiny_model("llama").to(torch.bfloat16)
-    assert not use_cpu_linears(bf16, "auto", "cpu", "test")  # auto: fp32 only
     with pytest.raises(ValueError, match="cpu_linear"):
         use_cpu_linears(fp32, "fast", "cpu", "test")
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_auto_prepacks_bf16_only_where_the_cpu_multiplies_bf16_natively(native_bf16, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "cpu_supports_bf16", lambda: native_bf16)
+    bf16 = tiny_model("llama").to(torch.bfloat16)
+    expected = native_bf16 and prepacking_available(torch.bfloat16)
+    assert use_cpu_linears(bf16, "auto", "cpu", "test") == expected
+    assert any(isinstance(m, PrepackedLinear) for m in bf16.modules()) == expected
+
+
+@pytest.mark.skipif(not prepacking_available(torch.bfloat16), reason="oneDNN cannot prepack bf16 on this CPU")
+def test_prepacked_bf16_keeps_the_predictions():
+    model = tiny_model("llama").to(torch.bfloat16)
+    packed = copy.deepcopy(model)
+    prepack_linears(packed)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    with torch.inference_mode():
+        plain_logits, packed_logits = model(ids).logits.float(), packed(ids).logits.float()
+    torch.testing.assert_close(packed_logits, plain_logits, atol=2e-2, rtol=2e-2)
+    assert torch.equal(packed_logits.argmax(-1), plain_logits.argmax(-1))
