@@ -10,6 +10,9 @@ see each other: for the forward's duration the model's attention implementation 
   row as long as the chunk.
 The outputs are scattered back to the packed order. `PackedStep` is also the forward's `cache`: its
 `update` appends each row's new keys/values to that row's own cache (through `BatchedKV` for the short rows).
+Every attention call, packed or not, goes through `attention`: SDPA, or for a few query positions in
+bf16/fp16 on a CPU the faster `matmul_attention` (small_attention.py); TargetRunner runs all its forwards
+with `packed_attention`, so single-request steps take that path too.
 """
 from __future__ import annotations
 
@@ -21,17 +24,24 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .batched_kv import BatchedKV
+from .small_attention import matmul_attention, takes_matmul_path
 
 PACKED_ATTENTION = "foresight_packed_sdpa"
 PACKS_OVER = "sdpa"  # the attention implementation `packed_sdpa` reproduces (and runs when not packing)
 
 
+def attention(module, query, key, value, attention_mask, **kwargs):
+    """The model's SDPA attention, or `matmul_attention` where that is faster (small_attention.py)."""
+    if takes_matmul_path(query, attention_mask, kwargs):
+        return matmul_attention(module, query, key, value, attention_mask, **kwargs)
+    return AttentionInterface._global_mapping[PACKS_OVER](module, query, key, value, attention_mask, **kwargs)
+
+
 def packed_sdpa(module, query, key, value, attention_mask, packed_step: "PackedStep | None" = None, **kwargs):
-    """The model's SDPA attention, or, inside a packed forward, `packed_step`'s per-row attention."""
-    sdpa = AttentionInterface._global_mapping[PACKS_OVER]
+    """`attention`, or, inside a packed forward, `packed_step`'s per-row attention (which calls it per group)."""
     if packed_step is None:
-        return sdpa(module, query, key, value, attention_mask, **kwargs)
-    return packed_step.attend(module, query, sdpa, **kwargs)
+        return attention(module, query, key, value, attention_mask, **kwargs)
+    return packed_step.attend(module, query, attention, **kwargs)
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
@@ -104,7 +114,7 @@ class PackedStep:
                 key_states[:, :, start:start + n], value_states[:, :, start:start + n]))
         return key_states, value_states
 
-    def attend(self, module, query: torch.Tensor, sdpa, **kwargs) -> tuple[torch.Tensor, None]:
+    def attend(self, module, query: torch.Tensor, attend_rows, **kwargs) -> tuple[torch.Tensor, None]:
         """query [1, heads, N, head_dim] -> ([1, N, heads, head_dim], None), each row over its own keys."""
         _, heads, total, dim = query.shape
         out = query.new_empty(total, heads, dim)
@@ -113,7 +123,7 @@ class PackedStep:
             gathered = query[0, :, :batch * width] if self.slots is None else query[0].index_select(1, self.slots)
             padded = gathered.view(heads, batch, width, dim).transpose(0, 1)  # [B, heads, L, head_dim]
             keys, values = self.padded_kv
-            attended = sdpa(module, padded, keys, values, self.mask, **kwargs)[0]  # [B, L, heads, head_dim]
+            attended = attend_rows(module, padded, keys, values, self.mask, **kwargs)[0]  # [B, L, heads, head_dim]
             if self.slots is None:
                 out[:batch * width] = attended.reshape(batch * width, heads, dim)
             else:
@@ -122,7 +132,7 @@ class PackedStep:
             start, n, past = self.offsets[b], self.lengths[b], self.past[b]
             cols = torch.arange(past + n, device=query.device)  # [T + n]
             mask = cols[None, :] <= (past + torch.arange(n, device=query.device))[:, None]  # [n, T + n]
-            attended = sdpa(module, query[:, :, start:start + n], keys, values, mask[None, None], **kwargs)[0]
+            attended = attend_rows(module, query[:, :, start:start + n], keys, values, mask[None, None], **kwargs)[0]
             out[start:start + n] = attended[0]  # [n, heads, head_dim]
         return out[None], None
 

@@ -88,6 +88,12 @@ class TargetRunner:
                 handle.remove()
 
     def _forward(self, cache, tokens, keep_logits, snap) -> ForwardResult:
+        if self.config._attn_implementation == PACKS_OVER:
+            with packed_attention(self.config):  # not packed: `attention` (packed_step.py) for every layer
+                return self._forward_model(cache, tokens, keep_logits, snap)
+        return self._forward_model(cache, tokens, keep_logits, snap)
+
+    def _forward_model(self, cache, tokens, keep_logits, snap) -> ForwardResult:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, L]
         keep = keep_logits or len(tokens)
         kwargs = {}
