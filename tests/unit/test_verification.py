@@ -152,6 +152,20 @@ def test_verify_equals_verify_batch_and_is_reproducible():
         assert a == [Verdict(*(int(t) for t in v)) for v in batch]
 
 
+def test_greedy_exact_verify_decides_as_verify_batch_on_point_masses():
+    """`verify` at T=0 (exact) reads the argmax off the logits; `verify_batch` decides from the point masses
+    `target_probs` builds: the same verdicts, ties (first index wins) and empty drafts included."""
+    for seed in range(30):
+        g = gen(300 + seed)
+        gamma = seed % 6
+        logits = torch.randint(0, 4, (gamma + 1, 12), generator=g).float()  # many equal maxima
+        top = logits.argmax(-1)
+        draft = torch.where(torch.rand(gamma, generator=g) < 0.7, top[:gamma], torch.randint(0, 12, (gamma,), generator=g))
+        p = target_probs(logits, 0.0, 3, 0.9)
+        want = Verdict(*(int(t) for t in verify_batch(p[None], draft[None], greedy=True)))
+        assert verify(logits, draft.tolist(), temperature=0.0, top_k=3, top_p=0.9) == want
+
+
 @pytest.mark.parametrize("rule", ["exact", "nucleus"])
 def test_greedy_accepts_longest_prefix_matching_argmax(rule):
     gamma = 5
