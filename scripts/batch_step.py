@@ -2,8 +2,9 @@
 
     .venv/bin/python scripts/batch_step.py [float32|bfloat16] [threads] [auto|prepacked|plain]
 
-Linear layers as the server's `--cpu-linear` (third argument, default auto). Each request holds its own 200-token context (`TargetRunner.prefill`); a step feeds one token per request
-through `TargetRunner.verify_batch`, as the target worker's plain steps under load do (B = 1: `verify`).
+Linear layers as the server's `--cpu-linear` (third argument, default auto). Each request holds its own
+200-token context (`TargetRunner.prefill`); a step feeds one token per request through
+`TargetRunner.verify_batch`, as the target worker's plain steps under load do (B = 1: `verify`).
 Throughput at B requests over one request's is B x (one-request step) / (B-request step): what `ar` at B
 clients could reach if nothing but the forward cost time (no prefills, sampling, messages or HTTP).
 """

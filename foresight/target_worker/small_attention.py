@@ -26,11 +26,12 @@ UNSUPPORTED = ("position_bias", "softcap", "s_aux", "sinks")  # extras only SDPA
 
 
 def takes_matmul_path(query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
-    """Whether `matmul_attention` computes this call: a CPU, bf16/fp16, a short query, and a mask given
-    (or a single position, which needs none), nothing else to apply."""
+    """Whether `matmul_attention` computes this call: a CPU, bf16/fp16, a short query, and a mask shared by
+    the heads given (or a single position, which needs none), nothing else to apply."""
     small = SMALL_QUERY if query.shape[0] > 1 else SMALL_QUERY_ALONE
+    masked = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
     return (query.device.type == "cpu" and query.dtype in LOW_PRECISION and query.shape[2] <= small
-            and (attention_mask is not None or query.shape[2] == 1)
+            and (masked or (attention_mask is None and query.shape[2] == 1))
             and not kwargs.get("dropout") and all(kwargs.get(k) is None for k in UNSUPPORTED))
 
 

@@ -51,10 +51,12 @@ def test_it_is_taken_only_where_measured_faster():
     def query(batch, length, dtype=torch.bfloat16):
         return torch.zeros(batch, 9, length, 16, dtype=dtype)
     mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    per_head = torch.ones(1, 9, 1, 1, dtype=torch.bool)
     assert takes_matmul_path(query(1, 1), None, {})  # a plain step needs no mask
     assert takes_matmul_path(query(1, 4), mask, {}) and not takes_matmul_path(query(1, 5), mask, {})
     assert takes_matmul_path(query(8, 8), mask, {}) and not takes_matmul_path(query(8, 9), mask, {})
     assert not takes_matmul_path(query(1, 4), None, {})  # causal by flag only: SDPA's own alignment
+    assert not takes_matmul_path(query(8, 1), per_head, {})  # a mask per head: not the shared one it expects
     assert not takes_matmul_path(query(8, 1, torch.float32), mask, {})  # fp32: SDPA is as fast
     assert not takes_matmul_path(query(8, 1), mask, {"softcap": 30.0})
     assert takes_matmul_path(query(8, 1), mask, {"sliding_window": 4, "dropout": 0.0})  # the mask has the window
