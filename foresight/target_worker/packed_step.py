@@ -10,8 +10,8 @@ see each other: for the forward's duration the model's attention implementation 
   row as long as the chunk.
 The outputs are scattered back to the packed order. `PackedStep` is also the forward's `cache`: its
 `update` appends each row's new keys/values to that row's own cache (through `BatchedKV` for the short rows).
-Every attention call, packed or not, goes through `attention`: SDPA, or for a few query positions in
-bf16/fp16 on a CPU the faster `matmul_attention` (small_attention.py); TargetRunner runs all its forwards
+Every attention call, packed or not, goes through `attention`: SDPA, or for a few query positions on a CPU
+the faster `folded_attention` (small_attention.py); TargetRunner runs all its forwards
 with `packed_attention`, so single-request steps take that path too.
 """
 from __future__ import annotations
@@ -24,16 +24,16 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .batched_kv import BatchedKV
-from .small_attention import matmul_attention, takes_matmul_path
+from .small_attention import folded_attention, takes_folded_path
 
 PACKED_ATTENTION = "foresight_packed_sdpa"
 PACKS_OVER = "sdpa"  # the attention implementation `packed_sdpa` reproduces (and runs when not packing)
 
 
 def attention(module, query, key, value, attention_mask, **kwargs):
-    """The model's SDPA attention, or `matmul_attention` where that is faster (small_attention.py)."""
-    if takes_matmul_path(query, attention_mask, kwargs):
-        return matmul_attention(module, query, key, value, attention_mask, **kwargs)
+    """The model's SDPA attention, or `folded_attention` where that is faster (small_attention.py)."""
+    if takes_folded_path(query, attention_mask, kwargs):
+        return folded_attention(module, query, key, value, attention_mask, **kwargs)
     return AttentionInterface._global_mapping[PACKS_OVER](module, query, key, value, attention_mask, **kwargs)
 
 

@@ -1,6 +1,6 @@
-"""Attention for short queries in bf16 on a CPU as two float32 matmuls (target_worker/small_attention.py):
-the same function as SDPA (exact in fp32, bf16 rounding in bf16), taken only where it was measured faster,
-and a bf16 target's forwards, single and batched, through it."""
+"""Attention for short queries on a CPU with the query heads of a key-value head folded into one SDPA call
+(target_worker/small_attention.py): the same function as transformers' SDPA (1e-5 in fp32, bf16 rounding in
+bf16), taken only where it was measured faster, and a target's forwards, single and batched, through it."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from foresight.target_worker import packed_step, small_attention
 from foresight.target_worker.runner import TargetRunner
-from foresight.target_worker.small_attention import matmul_attention, takes_matmul_path
+from foresight.target_worker.small_attention import folded_attention, takes_folded_path
 from support.tiny_models import tiny_model
 
 
@@ -33,45 +33,57 @@ def inputs(batch, length, keys, dtype, mask_kind):
 
 
 @pytest.mark.parametrize("batch,length,mask_kind", [(1, 1, "none"), (1, 4, "bool"), (3, 1, "bool"),
-                                                    (3, 5, "bool"), (2, 3, "float")])
+                                                    (3, 5, "bool"), (2, 3, "float"), (1, 8, "bool")])
 def test_it_is_sdpa_in_fp32_and_as_close_as_sdpa_in_bf16(batch, length, mask_kind):
     q, k, v, mask = inputs(batch, length, 40, torch.float32, mask_kind)
     reference = sdpa_attention_forward(Attn(), q, k, v, mask, scaling=0.3)[0]  # [B, Lq, heads, D]
-    got = matmul_attention(Attn(), q, k, v, mask, scaling=0.3)[0]
+    got = folded_attention(Attn(), q, k, v, mask, scaling=0.3)[0]
     torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
     low = [t.to(torch.bfloat16) if t is not None and t.is_floating_point() else t for t in (q, k, v, mask)]
-    got_bf16 = matmul_attention(Attn(), *low, scaling=0.3)[0]
+    got_bf16 = folded_attention(Attn(), *low, scaling=0.3)[0]
     sdpa_bf16 = sdpa_attention_forward(Attn(), *low, scaling=0.3)[0]
     assert got_bf16.dtype == torch.bfloat16 and got_bf16.shape == reference.shape
     worst_sdpa = (sdpa_bf16.float() - reference).abs().max()
     assert (got_bf16.float() - reference).abs().max() <= max(2 * worst_sdpa, 1e-2)
 
 
+def test_a_float32_mask_with_a_bf16_query_is_applied():
+    q, k, v, mask = inputs(2, 3, 40, torch.float32, "float")  # the mask stays float32
+    low = [t.to(torch.bfloat16) for t in (q, k, v)]
+    got = folded_attention(Attn(), *low, mask, scaling=0.3)[0].float()
+    reference = sdpa_attention_forward(Attn(), q, k, v, mask, scaling=0.3)[0]
+    assert (got - reference).abs().max() <= 3e-2
+
+
 def test_it_is_taken_only_where_measured_faster():
     def query(batch, length, dtype=torch.bfloat16):
         return torch.zeros(batch, 9, length, 16, dtype=dtype)
-    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+    def mask(length=1):
+        return torch.ones(1, 1, length, 1, dtype=torch.bool)
     per_head = torch.ones(1, 9, 1, 1, dtype=torch.bool)
-    assert takes_matmul_path(query(1, 1), None, {})  # a plain step needs no mask
-    assert takes_matmul_path(query(1, 4), mask, {}) and not takes_matmul_path(query(1, 5), mask, {})
-    assert takes_matmul_path(query(8, 8), mask, {}) and not takes_matmul_path(query(8, 9), mask, {})
-    assert not takes_matmul_path(query(1, 4), None, {})  # causal by flag only: SDPA's own alignment
-    assert not takes_matmul_path(query(8, 1), per_head, {})  # a mask per head: not the shared one it expects
-    assert not takes_matmul_path(query(8, 1, torch.float32), mask, {})  # fp32: SDPA is as fast
-    assert not takes_matmul_path(query(8, 1), mask, {"softcap": 30.0})
-    assert takes_matmul_path(query(8, 1), mask, {"sliding_window": 4, "dropout": 0.0})  # the mask has the window
+    assert takes_folded_path(query(1, 1), None, {})  # a plain step needs no mask
+    assert takes_folded_path(query(1, 8), mask(8), {}) and not takes_folded_path(query(1, 9), mask(9), {})
+    assert takes_folded_path(query(8, 8), mask(8), {}) and not takes_folded_path(query(8, 9), mask(9), {})
+    assert takes_folded_path(query(8, 4, torch.float32), mask(4), {})  # fp32 too: repeat_kv is the slow part
+    assert not takes_folded_path(query(1, 4), None, {})  # causal by flag only: SDPA's own alignment
+    assert not takes_folded_path(query(8, 4), mask(1), {})  # a mask broadcast over the queries: not folded
+    assert not takes_folded_path(query(8, 1), per_head, {})  # a mask per head: not the shared one it expects
+    assert not takes_folded_path(query(8, 1), mask(), {"softcap": 30.0})
+    assert takes_folded_path(query(8, 1), mask(), {"sliding_window": 4, "dropout": 0.0})  # the mask has the window
 
 
-def test_a_bf16_targets_forwards_go_through_it(monkeypatch):
-    """Single and batched forwards of a bf16 target take the matmul path, and their logits stay within
-    bf16 rounding of the same forwards with SDPA only."""
-    model = tiny_model("llama").to(torch.bfloat16)
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_a_targets_forwards_go_through_it(monkeypatch, dtype, tolerance):
+    """Single and batched forwards of a target take the folded path, and their logits stay within float
+    rounding of the same forwards with transformers' SDPA only."""
+    model = tiny_model("llama").to(dtype)
     runner = TargetRunner(model)
     calls = []
 
     def counted(*args, **kwargs):
         calls.append(args[1].shape)
-        return matmul_attention(*args, **kwargs)
+        return folded_attention(*args, **kwargs)
 
     def run():
         caches = [runner.new_cache() for _ in range(2)]
@@ -81,12 +93,12 @@ def test_a_bf16_targets_forwards_go_through_it(monkeypatch):
         batched = [r.logits for r in runner.verify_batch(caches, [[17], [25, 26, 27]])]
         return [single, *batched]
 
-    monkeypatch.setattr(packed_step, "matmul_attention", counted)
+    monkeypatch.setattr(packed_step, "folded_attention", counted)
     fast = run()
     assert calls and all(shape[2] <= small_attention.SMALL_QUERY for shape in calls)
-    monkeypatch.setattr(packed_step, "takes_matmul_path", lambda *a: False)
+    monkeypatch.setattr(packed_step, "takes_folded_path", lambda *a: False)
     calls.clear()
     plain = run()
     assert not calls
     for got, want in zip(fast, plain):
-        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
