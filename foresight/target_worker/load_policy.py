@@ -21,6 +21,11 @@ steps are the safe choice, a window's figure is noisy, and a near tie must not l
 decoding. Every other policy is tried for a window now and then (more rarely the worse it measured), so a
 change of load or workload is noticed. Trying a policy that does the same as the best for this batch (no
 request of mode auto or ngram: "lookup" is "plain") costs nothing.
+Drafting pays less the larger the batch (its blocks' extra positions cost more, and a switch to it makes every
+request catch up first), so a level above the lowest (4, 8) does not try drafting before a lower level has
+measured it: it starts on plain steps and tries drafting only after EXPLORE_WINDOWS windows (measured at 8
+clients, chat, bf16, 48 requests a run from a fresh server: `pipelined` 0.90x `ar` with those early trials
+of drafting, 0.97x without them; docs/benchmark.md).
 A load level seen for the first time starts with the policy that won at the nearest level already measured;
 the other way of running the target alone is tried there soon (a few windows: it costs no catch-up), since
 extra positions cost more the larger the batch and lookup's lead at a lower load may not hold.
@@ -56,13 +61,16 @@ TRIAL_ORDER = ("plain", "lookup", "draft")  # of policies due together, the chea
 LOAD_DECAY = 0.9  # per step: the load level follows the running requests over the last ~10 steps
 
 
+LOWEST_BUCKET = 2
+
+
 def load_bucket(running: float) -> int:
     """The load level whose figures a window counts toward (0: a lone request, no policy), from the
     smoothed number of running requests: a request that ends and the next that arrives dip it for a step or
     two, which must not start the level's window over."""
     if running < 1.5:
         return 0
-    return 2 if running < 3 else 4 if running < 6 else 8
+    return LOWEST_BUCKET if running < 3 else 4 if running < 6 else 8
 
 
 class LoadPolicy:
@@ -136,7 +144,14 @@ class LoadPolicy:
                 inherited = self._best(nearest)
                 if inherited not in TARGET_ALONE or not all(p in rates for p in TARGET_ALONE):
                     return inherited
-        return winner(rates) if rates else POLICIES[0]
+        if rates:
+            return winner(rates)
+        return "draft" if self._may_draft_first(bucket) else "plain"
+
+    def _may_draft_first(self, bucket: int) -> bool:
+        """Whether drafting may be tried at once at a level where it is unmeasured: at the lowest level, or
+        where a lower level has measured it."""
+        return bucket <= LOWEST_BUCKET or any(b < bucket and self.rate(b, "draft") is not None for b in self.windows)
 
     def _nearest_known(self, bucket: int) -> int | None:
         """The nearest other load level where every policy was measured."""
@@ -160,6 +175,8 @@ class LoadPolicy:
         for a way of running the target alone, the usual EXPLORE_WINDOWS for drafting."""
         rate = self.rate(bucket, policy)
         if rate is None:
+            if policy == "draft" and not self._may_draft_first(bucket):
+                return EXPLORE_WINDOWS
             if self._nearest_known(bucket) is None:
                 return 0.0
             return NEW_LEVEL_TRIAL if policy in TARGET_ALONE else EXPLORE_WINDOWS
