@@ -22,7 +22,7 @@ decoding. Every other policy is tried for a window now and then (more rarely the
 change of load or workload is noticed. Trying a policy that does the same as the best for this batch (no
 request of mode auto or ngram: "lookup" is "plain") costs nothing.
 Drafting pays less the larger the batch (its blocks' extra positions cost more, and a switch to it makes every
-request catch up first), so a level above the lowest (4, 8) does not try drafting before a lower level has
+request catch up first), so the top level (6+ requests) does not try drafting before a lower level has
 measured it: it starts on plain steps and tries drafting only after EXPLORE_WINDOWS windows (measured at 8
 clients, chat, bf16, 48 requests a run from a fresh server: `pipelined` 0.90x `ar` with those early trials
 of drafting, 0.97x without them; docs/benchmark.md).
@@ -61,7 +61,7 @@ TRIAL_ORDER = ("plain", "lookup", "draft")  # of policies due together, the chea
 LOAD_DECAY = 0.9  # per step: the load level follows the running requests over the last ~10 steps
 
 
-LOWEST_BUCKET = 2
+TOP_BUCKET = 8  # 6 or more requests
 
 
 def load_bucket(running: float) -> int:
@@ -70,7 +70,7 @@ def load_bucket(running: float) -> int:
     two, which must not start the level's window over."""
     if running < 1.5:
         return 0
-    return LOWEST_BUCKET if running < 3 else 4 if running < 6 else 8
+    return 2 if running < 3 else 4 if running < 6 else TOP_BUCKET
 
 
 class LoadPolicy:
@@ -149,9 +149,9 @@ class LoadPolicy:
         return "draft" if self._may_draft_first(bucket) else "plain"
 
     def _may_draft_first(self, bucket: int) -> bool:
-        """Whether drafting may be tried at once at a level where it is unmeasured: at the lowest level, or
+        """Whether drafting may be tried at once at a level where it is unmeasured: below the top level, or
         where a lower level has measured it."""
-        return bucket <= LOWEST_BUCKET or any(b < bucket and self.rate(b, "draft") is not None for b in self.windows)
+        return bucket < TOP_BUCKET or any(b < bucket and self.rate(b, "draft") is not None for b in self.windows)
 
     def _nearest_known(self, bucket: int) -> int | None:
         """The nearest other load level where every policy was measured."""
