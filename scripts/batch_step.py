@@ -19,12 +19,18 @@ from foresight.target_worker.loading import load_target, resolve_target
 from foresight.target_worker.runner import TargetRunner
 
 
-def median_step_ms(runner: TargetRunner, requests: int, steps: int = 25) -> float:
+def contexts(runner: TargetRunner, requests: int, length: int = 200) -> list:
+    """One cache per request, each holding its own `length`-token context."""
     caches = []
     for b in range(requests):
         cache = runner.new_cache()
-        runner.prefill(cache, [100 + (7 * b + i) % 3000 for i in range(200)])  # a different context each
+        runner.prefill(cache, [100 + (7 * b + i) % 3000 for i in range(length)])  # a different context each
         caches.append(cache)
+    return caches
+
+
+def median_step_ms(runner: TargetRunner, requests: int, steps: int = 25) -> float:
+    caches = contexts(runner, requests)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()

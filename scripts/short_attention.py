@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from batch_step import contexts  # scripts/, beside this one
+
 from foresight.target_worker import packed_step
 from foresight.target_worker.cpu_linear import use_cpu_linears
 from foresight.target_worker.loading import load_target, resolve_target
@@ -25,15 +27,6 @@ FOLDED = packed_step.takes_folded_path
 
 def sdpa_only(*args) -> bool:
     return False
-
-
-def contexts(runner: TargetRunner, requests: int) -> list:
-    caches = []
-    for b in range(requests):
-        cache = runner.new_cache()
-        runner.prefill(cache, [100 + (7 * b + i) % 3000 for i in range(CONTEXT)])  # a different context each
-        caches.append(cache)
-    return caches
 
 
 def step(runner: TargetRunner, caches: list, positions: int) -> float:
@@ -57,7 +50,7 @@ def main() -> None:
     use_cpu_linears(model, "auto", "cpu", "target")
     dispatches = {"folded": FOLDED, "sdpa": sdpa_only}
     runners = {name: TargetRunner(model) for name in dispatches}  # one each: a batched layout is per runner
-    caches = {(name, shape): contexts(runners[name], shape[0]) for name in dispatches for shape in SHAPES}
+    caches = {(name, shape): contexts(runners[name], shape[0], CONTEXT) for name in dispatches for shape in SHAPES}
     times = {key: [] for key in caches}
     for _ in range(rounds):
         for (name, (requests, positions)), rows in caches.items():
