@@ -26,8 +26,11 @@ request catch up first), so the top level (6+ requests) does not try drafting be
 measured it: it starts on plain steps and tries drafting only after EXPLORE_WINDOWS windows (measured at 8
 clients, chat, bf16, 48 requests a run from a fresh server: `pipelined` 0.90x `ar` with those early trials
 of drafting, 0.97x without them; docs/benchmark.md).
-A load level seen for the first time starts with the policy that won at the nearest level already measured;
-the other way of running the target alone is tried there soon (a few windows: it costs no catch-up), since
+A load level seen for the first time starts with the policy that won at the nearest level already measured
+(if no level measured every policy yet, the best of those measured at the nearest level that measured any:
+as a busy period ends, its tail runs what the busy level ran instead of trying drafting first -- measured at
+8 clients, chat, 48 requests: the tail's drafting rounds at 2-4 requests took 1.8 s where plain steps took
+1.2 s, of a 30 s run); the other way of running the target alone is tried there soon (a few windows: it costs no catch-up), since
 extra positions cost more the larger the batch and lookup's lead at a lower load may not hold.
 The first SETTLE_STEPS steps after a switch are not measured: rounds of the old policy are still in flight.
 A trial therefore costs SETTLE_STEPS + WINDOW_STEPS steps, and a rival at r of the best is tried every
@@ -133,20 +136,32 @@ class LoadPolicy:
         return tokens / seconds if seconds > 0 else None
 
     def _best(self, bucket: int) -> str:
-        """The policy with the best figure at this load; with one unmeasured here, the best at the nearest
-        load where all were measured (a new load level starts from what the last one learnt) -- unless that
-        runs the target alone and both ways of doing so are measured here; else the best measured here, else
-        "draft"."""
+        """The policy with the best figure at this load; with one unmeasured here, what another level learnt
+        (`_inherited`: a new load level starts from what the nearest one learnt) -- unless that runs the
+        target alone and both ways of doing so are measured here; else the best measured here, else "draft"
+        (at the top level "plain" until `_may_draft_first`)."""
         rates = {p: r for p in POLICIES if (r := self.rate(bucket, p)) is not None}
         if len(rates) < len(POLICIES):
-            nearest = self._nearest_known(bucket)
-            if nearest is not None:
-                inherited = self._best(nearest)
-                if inherited not in TARGET_ALONE or not all(p in rates for p in TARGET_ALONE):
-                    return inherited
+            inherited = self._inherited(bucket)
+            if inherited is not None and (inherited not in TARGET_ALONE
+                                          or not all(p in rates for p in TARGET_ALONE)):
+                return inherited
         if rates:
             return winner(rates)
         return "draft" if self._may_draft_first(bucket) else "plain"
+
+    def _inherited(self, bucket: int) -> str | None:
+        """What another load level learnt: the best at the nearest level where every policy was measured, else
+        the best measured so far at the nearest level where any was (a level the load falls to before the
+        higher one tried drafting -- the tail of a busy period -- runs what ran there), else None."""
+        nearest = self._nearest_known(bucket)
+        if nearest is not None:
+            return self._best(nearest)
+        measured = [b for b in self.windows if b != bucket and any(self.rate(b, p) is not None for p in POLICIES)]
+        if not measured:
+            return None
+        nearest = min(measured, key=lambda b: (abs(b - bucket), -b))
+        return winner({p: r for p in POLICIES if (r := self.rate(nearest, p)) is not None})
 
     def _may_draft_first(self, bucket: int) -> bool:
         """Whether drafting may be tried at once at a level where it is unmeasured: below the top level, or

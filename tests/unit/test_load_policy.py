@@ -144,7 +144,7 @@ def test_a_higher_load_level_notices_soon_that_lookup_stopped_paying():
 
 def test_a_high_load_level_tries_drafting_only_after_a_lower_one_measured_it():
     """A server started under heavy load runs the target alone until drafting's late first trial; at the
-    lowest level, or once a lower level measured drafting, it is tried at once."""
+    lowest level it is tried at once, and once a lower level measured drafting, within a few windows."""
     rates = {"draft": 50.0, "lookup": 70.0, "plain": 100.0}
     high = LoadPolicy()
     high.observe(8, True, 10, 0.1)
@@ -154,4 +154,19 @@ def test_a_high_load_level_tries_drafting_only_after_a_lower_one_measured_it():
     assert run(high, 10, rates, running=8)["draft"] >= 1  # then tried: drafting may pay on other hardware
     low = LoadPolicy()
     assert run(low, 3, rates, running=2)["draft"] >= 1
-    assert run(low, 3, {**rates, "draft": 300.0}, running=8)["draft"] >= 1  # measured at 2: tried at once at 8
+    assert run(low, 6, {**rates, "draft": 300.0}, running=8)["draft"] >= 2  # measured at 2: tried soon at 8
+
+
+def test_the_tail_of_a_busy_period_runs_what_the_busy_level_ran():
+    """The load falls from 8 requests to 4 before the busy level tried drafting: the new level starts on the
+    busy level's best so far (plain steps), not on drafting, and tries drafting after a window."""
+    rates = {"draft": 50.0, "lookup": 70.0, "plain": 100.0}
+    policy = LoadPolicy()
+    assert run(policy, 6, rates, running=8)["draft"] == 0
+    assert policy.rate(8, "plain") is not None and policy.rate(8, "draft") is None
+    steps = []
+    for _ in range(WINDOW_STEPS):
+        policy.observe(4, True, round(rates[policy.current] * 0.1), 0.1)
+        steps.append(policy.current)
+    assert policy._bucket == 4 and "draft" not in steps, steps
+    assert run(policy, 4, rates, running=4)["draft"] >= 1  # then tried: drafting may pay at a lower load
