@@ -382,6 +382,33 @@ def _auth_headers() -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def server_log_path(out: Path, mode: str, repeat: int) -> Path:
+    """Where the server of `mode` in repeat `repeat` (from 0) logs: `<out stem>.server-<mode>.log`, with
+    `-r<n>` for the later repeats' fresh servers."""
+    suffix = f"-r{repeat + 1}" if repeat else ""
+    return out.with_name(f"{out.stem}.server-{mode}{suffix}.log")
+
+
+@contextlib.asynccontextmanager
+async def mode_servers(cfg: EngineConfig, modes: list[str], out: Path, extra: list[str], client, warm_up: tuple,
+                       repeat: int):
+    """One fresh server per mode (each its own --mode), all up for one repeat, each sent one warm-up request
+    (`warm_up`: the item, the bench's args and headers); yields their base URLs; always stops them.
+    Fresh per repeat: a server keeps its speed for its lifetime, and instances of one build differed by up to
+    7 % (docs/benchmark.md), which servers kept for the whole bench would have made a fixed bias of a mode."""
+    item, args, headers = warm_up
+    async with contextlib.AsyncExitStack() as stack:
+        bases = {}
+        for mode in modes:
+            log_path = server_log_path(out, mode, repeat)
+            bases[mode] = await stack.enter_async_context(running_server(cfg, mode, log_path, extra, client))
+            path, body = request_body(item, 0, args)
+            warm = await one_request(client, bases[mode], path, body, headers)
+            if warm.status != "ok":
+                print(f"[load] {mode}: the warm-up request failed: {warm.error}", flush=True)
+        yield bases
+
+
 async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     try:
         import httpx
@@ -409,30 +436,25 @@ async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     section: dict[str, dict[str, dict]] = {str(level): {} for level in levels}
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client, contextlib.AsyncExitStack() as stack:
-        bases = {}
-        for mode in modes:  # one server per mode (its own --mode), all up for the whole bench
-            log_path = out.with_name(f"{out.stem}.server-{mode}.log")
-            bases[mode] = await stack.enter_async_context(running_server(cfg, mode, log_path, extra, client))
-            path, body = request_body(items[0], 0, args)
-            warm = await one_request(client, bases[mode], path, body, headers)
-            if warm.status != "ok":
-                print(f"[load] {mode}: the warm-up request failed: {warm.error}", flush=True)
-        for level in levels:
-            runs: dict[str, list] = {mode: [] for mode in modes}
-            rounds: dict[str, Counter] = {mode: Counter() for mode in modes}
-            for repeat in range(repeats):
-                for mode in run_order(modes, repeat):
-                    run, ran = await counted_run(client, bases[mode], items, level, n_per_level[level], args, headers)
-                    runs[mode].append(run)
-                    rounds[mode].update(ran)
-                    print(f"[load] {mode} @ {level} (run {repeat + 1}/{repeats}): {run_line(*run)}", flush=True)
-            for mode in modes:
-                fields = merge_runs(runs[mode])
-                fields["strategy_rounds"] = {s: int(n) for s, n in sorted(rounds[mode].items()) if n > 0}
-                section[str(level)][mode] = fields
-                print(f"[load] {mode} @ {level}: median {fields['tokens_per_s'] or 0:.1f} tok/s over "
-                      f"{fields['tokens_per_s_runs']}, rounds {fields['strategy_rounds']}", flush=True)
+    runs: dict[tuple[int, str], list] = {(level, mode): [] for level in levels for mode in modes}
+    rounds: dict[tuple[int, str], Counter] = {key: Counter() for key in runs}
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        for repeat in range(repeats):
+            async with mode_servers(cfg, modes, out, extra, client, (items[0], args, headers), repeat) as bases:
+                for level in levels:
+                    for mode in run_order(modes, repeat):
+                        run, ran = await counted_run(client, bases[mode], items, level, n_per_level[level], args,
+                                                     headers)
+                        runs[level, mode].append(run)
+                        rounds[level, mode].update(ran)
+                        print(f"[load] {mode} @ {level} (run {repeat + 1}/{repeats}): {run_line(*run)}", flush=True)
+    for level in levels:
+        for mode in modes:
+            fields = merge_runs(runs[level, mode])
+            fields["strategy_rounds"] = {s: int(n) for s, n in sorted(rounds[level, mode].items()) if n > 0}
+            section[str(level)][mode] = fields
+            print(f"[load] {mode} @ {level}: median {fields['tokens_per_s'] or 0:.1f} tok/s over "
+                  f"{fields['tokens_per_s_runs']}, rounds {fields['strategy_rounds']}", flush=True)
     return {
         "model": str(cfg.target or "SmolLM2-135M-Instruct (embedded default)"),
         "drafter": cfg.drafter,
@@ -440,6 +462,7 @@ async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
         "settings": {"prompts": args.prompts, "n_prompts": len(items), "temperature": args.temperature,
                      "max_tokens": args.max_tokens, "block_size": cfg.block_size, "verification": cfg.verification,
                      "modes": modes, "seed": args.seed, "concurrency": levels, "repeats": repeats,
+                     "servers": "one per mode, fresh for each repeat",
                      "requests_per_level": {str(k): v for k, v in n_per_level.items()},
                      "server_args": extra, "batched_steps": cfg.batched_steps,
                      "max_num_batched_tokens": cfg.max_num_batched_tokens},

@@ -32,6 +32,7 @@ def test_load_bench_report(tmp_path):
     report = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 1000
     assert (tmp_path / "load.server-ar.log").exists()
+    assert (tmp_path / "load.server-ar-r2.log").exists()  # the second repeat's fresh server
     assert set(report) >= {"model", "drafter", "machine", "settings", "concurrency"}
     settings = report["settings"]
     assert settings["concurrency"] == [1, 2] and settings["modes"] == ["ar"]
