@@ -15,15 +15,15 @@ second of wall time, all requests together:
     "plain"   plain steps for every request: once the batch is large enough that every extra position in a
               forward costs nearly its share, even prompt lookup's blocks cost more than they commit.
 Throughput is measured over windows of WINDOW_STEPS steps, separately per load bucket (the number of
-running requests smoothed over steps: about 2, 4 and 8 or more). "plain" runs unless "lookup" measured
+running requests smoothed over steps: about 2, 4, 8, and 16 or more). "plain" runs unless "lookup" measured
 LOOKUP_MARGIN better, and either unless "draft" measured DRAFT_MARGIN better than the one that runs: plain
 steps are the safe choice, a window's figure is noisy, and a near tie must not leave the batch below plain
 decoding. Every other policy is tried for a window now and then (more rarely the worse it measured), so a
 change of load or workload is noticed. Trying a policy that does the same as the best for this batch (no
 request of mode auto or ngram: "lookup" is "plain") costs nothing.
 Drafting pays less the larger the batch (its blocks' extra positions cost more, and a switch to it makes every
-request catch up first), so the top level (6+ requests) does not try drafting before a lower level has
-measured it: it starts on plain steps and tries drafting only after EXPLORE_WINDOWS windows (measured at 8
+request catch up first), so the top levels (6+ requests) do not try drafting before a lower level has
+measured it: they start on plain steps and try drafting only after EXPLORE_WINDOWS windows (measured at 8
 clients, chat, bf16, 48 requests a run from a fresh server: `pipelined` 0.90x `ar` with those early trials
 of drafting, 0.97x without them; docs/benchmark.md).
 A load level seen for the first time starts with the policy that won at the nearest level already measured
@@ -64,16 +64,19 @@ TRIAL_ORDER = ("plain", "lookup", "draft")  # of policies due together, the chea
 LOAD_DECAY = 0.9  # per step: the load level follows the running requests over the last ~10 steps
 
 
-TOP_BUCKET = 8  # 6 or more requests
+TOP_BUCKET = 8  # 6 or more requests: this level and the ones above it (16: 12 or more)
 
 
 def load_bucket(running: float) -> int:
     """The load level whose figures a window counts toward (0: a lone request, no policy), from the
     smoothed number of running requests: a request that ends and the next that arrives dip it for a step or
-    two, which must not start the level's window over."""
+    two, which must not start the level's window over. 12 or more requests are a level of their own: a
+    batched step there costs much more than at 8 (`scripts/batch_step.py bfloat16 2`, 2-core EPYC: 8
+    requests 1.3-1.5x one request's step, 16 1.7-2.3x), so prompt lookup's extra positions that paid at 8
+    may not at 16."""
     if running < 1.5:
         return 0
-    return 2 if running < 3 else 4 if running < 6 else TOP_BUCKET
+    return 2 if running < 3 else 4 if running < 6 else TOP_BUCKET if running < 12 else 2 * TOP_BUCKET
 
 
 class LoadPolicy:

@@ -82,7 +82,7 @@ def test_a_lone_request_or_an_uncontested_batch_always_drafts():
     run(policy, 20, {"draft": 10.0, "lookup": 100.0, "plain": 100.0})
     policy.observe(8, False, 1, 0.1)
     assert not policy.local
-    assert [load_bucket(n) for n in (1, 2, 2.9, 3.8, 5.9, 7.5, 30)] == [0, 2, 2, 4, 4, 8, 8]
+    assert [load_bucket(n) for n in (1, 2, 2.9, 3.8, 5.9, 7.5, 11.9, 12, 30)] == [0, 2, 2, 4, 4, 8, 8, 16, 16]
 
 
 def test_a_request_that_ends_and_the_next_that_arrives_do_not_restart_the_window():
@@ -140,6 +140,16 @@ def test_a_higher_load_level_notices_soon_that_lookup_stopped_paying():
     assert run(policy, 30, {"draft": 50.0, "lookup": 120.0, "plain": 100.0}, running=4)["lookup"] > 0.6 * 30
     counts = run(policy, 12, {"draft": 50.0, "lookup": 90.0, "plain": 100.0}, running=8)
     assert counts["plain"] >= 7 and counts["draft"] == 0  # inherited lookup, switched after its early trial
+
+
+def test_sixteen_requests_learn_apart_from_eight():
+    """Prompt lookup pays at 8 requests and not at 16 (its extra positions cost more in a larger step): 16
+    starts from what 8 learnt, settles on plain steps, and 8 keeps lookup."""
+    at_8 = {"draft": 50.0, "lookup": 120.0, "plain": 100.0}
+    policy = LoadPolicy()
+    assert run(policy, 40, at_8, running=8)["lookup"] > 0.6 * 40
+    assert run(policy, 40, {"draft": 50.0, "lookup": 90.0, "plain": 100.0}, running=16)["plain"] > 0.6 * 40
+    assert run(policy, 20, at_8, running=8)["lookup"] > 0.6 * 20
 
 
 def test_a_high_load_level_tries_drafting_only_after_a_lower_one_measured_it():
