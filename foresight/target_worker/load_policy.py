@@ -30,7 +30,8 @@ A load level seen for the first time starts with the policy that won at the near
 (if no level measured every policy yet, the best of those measured at the nearest level that measured any:
 as a busy period ends, its tail runs what the busy level ran instead of trying drafting first -- measured at
 8 clients, chat, 48 requests: the tail's drafting rounds at 2-4 requests took 1.8 s where plain steps took
-1.2 s, of a 30 s run); the other way of running the target alone is tried there soon (a few windows: it costs no catch-up), since
+1.2 s, of a 30 s run), except that prompt lookup won at a lower load starts as plain steps (its extra
+positions cost more in a larger step); the other way of running the target alone is tried there soon (a few windows: it costs no catch-up), since
 extra positions cost more the larger the batch and lookup's lead at a lower load may not hold.
 The first SETTLE_STEPS steps after a switch are not measured: rounds of the old policy are still in flight.
 A trial therefore costs SETTLE_STEPS + WINDOW_STEPS steps, and a rival at r of the best is tried every
@@ -156,15 +157,22 @@ class LoadPolicy:
     def _inherited(self, bucket: int) -> str | None:
         """What another load level learnt: the best at the nearest level where every policy was measured, else
         the best measured so far at the nearest level where any was (a level the load falls to before the
-        higher one tried drafting -- the tail of a busy period -- runs what ran there), else None."""
+        higher one tried drafting -- the tail of a busy period -- runs what ran there), else None; prompt
+        lookup learnt at a lower load is inherited as plain steps."""
         nearest = self._nearest_known(bucket)
         if nearest is not None:
-            return self._best(nearest)
-        measured = [b for b in self.windows if b != bucket and any(self.rate(b, p) is not None for p in POLICIES)]
-        if not measured:
-            return None
-        nearest = min(measured, key=lambda b: (abs(b - bucket), -b))
-        return winner({p: r for p in POLICIES if (r := self.rate(nearest, p)) is not None})
+            best = self._best(nearest)
+        else:
+            measured = [b for b in self.windows
+                        if b != bucket and any(self.rate(b, p) is not None for p in POLICIES)]
+            if not measured:
+                return None
+            nearest = min(measured, key=lambda b: (abs(b - bucket), -b))
+            best = winner({p: r for p in POLICIES if (r := self.rate(nearest, p)) is not None})
+        # Up to a higher load prompt lookup's extra positions cost more (chat, bf16, 2 cores: auto with lookup in
+        # half its rounds 1.08x `ar` at 8 clients; in 98 % of them 0.91x at 16): plain steps, the safe choice,
+        # until lookup's trial there.
+        return "plain" if best == "lookup" and nearest < bucket else best
 
     def _may_draft_first(self, bucket: int) -> bool:
         """Whether drafting may be tried at once at a level where it is unmeasured: below the top level, or

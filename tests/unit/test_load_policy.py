@@ -139,7 +139,18 @@ def test_a_higher_load_level_notices_soon_that_lookup_stopped_paying():
     policy = LoadPolicy()
     assert run(policy, 30, {"draft": 50.0, "lookup": 120.0, "plain": 100.0}, running=4)["lookup"] > 0.6 * 30
     counts = run(policy, 12, {"draft": 50.0, "lookup": 90.0, "plain": 100.0}, running=8)
-    assert counts["plain"] >= 7 and counts["draft"] == 0  # inherited lookup, switched after its early trial
+    assert counts["plain"] >= 7 and counts["draft"] == 0  # lookup from below starts as plain; its early trial lost
+
+
+def test_lookup_learnt_at_a_lower_load_is_tried_soon_and_kept_where_it_pays():
+    rates = {"draft": 50.0, "lookup": 120.0, "plain": 100.0}
+    policy = LoadPolicy()
+    assert run(policy, 30, rates, running=4)["lookup"] > 0.6 * 30
+    while policy._bucket != 8:
+        policy.observe(8, True, 12, 0.1)
+    assert policy.current == "plain"  # up to a higher load: plain steps until lookup's trial
+    counts = run(policy, 20, rates, running=8)
+    assert counts["lookup"] >= 14 and counts["draft"] == 0
 
 
 def test_sixteen_requests_learn_apart_from_eight():
