@@ -30,9 +30,9 @@ A load level seen for the first time starts with the policy that won at the near
 (if no level measured every policy yet, the best of those measured at the nearest level that measured any:
 as a busy period ends, its tail runs what the busy level ran instead of trying drafting first -- measured at
 8 clients, chat, 48 requests: the tail's drafting rounds at 2-4 requests took 1.8 s where plain steps took
-1.2 s, of a 30 s run), except that prompt lookup won at a lower load starts as plain steps (its extra
-positions cost more in a larger step); the other way of running the target alone is tried there soon (a few windows: it costs no catch-up), since
-extra positions cost more the larger the batch and lookup's lead at a lower load may not hold.
+1.2 s, of a 30 s run), except that prompt lookup won at a lower load starts as plain steps. The other way of
+running the target alone is tried there soon (a few windows: it costs no catch-up), since extra positions
+cost more the larger the batch and lookup's lead at a lower load may not hold.
 The first SETTLE_STEPS steps after a switch are not measured: rounds of the old policy are still in flight.
 A trial therefore costs SETTLE_STEPS + WINDOW_STEPS steps, and a rival at r of the best is tried every
 EXPLORE_WINDOWS / r**2 windows, so exploring costs at most about (1 - r) r**2 (SETTLE_STEPS / WINDOW_STEPS

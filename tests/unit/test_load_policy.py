@@ -155,7 +155,7 @@ def test_lookup_learnt_at_a_lower_load_is_tried_soon_and_kept_where_it_pays():
 
 def test_sixteen_requests_learn_apart_from_eight():
     """Prompt lookup pays at 8 requests and not at 16 (its extra positions cost more in a larger step): 16
-    starts from what 8 learnt, settles on plain steps, and 8 keeps lookup."""
+    is measured apart from 8 and settles on plain steps, and 8 keeps lookup."""
     at_8 = {"draft": 50.0, "lookup": 120.0, "plain": 100.0}
     policy = LoadPolicy()
     assert run(policy, 40, at_8, running=8)["lookup"] > 0.6 * 40
