@@ -390,19 +390,18 @@ def server_log_path(out: Path, mode: str, repeat: int) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def mode_servers(cfg: EngineConfig, modes: list[str], out: Path, extra: list[str], client, warm_up: tuple,
-                       repeat: int):
+async def mode_servers(cfg: EngineConfig, modes: list[str], out: Path, extra: list[str], client, repeat: int,
+                       warm_up: dict, args: argparse.Namespace, headers: dict):
     """One fresh server per mode (each its own --mode), all up for one repeat, each sent one warm-up request
-    (`warm_up`: the item, the bench's args and headers); yields their base URLs; always stops them.
+    (prompt item `warm_up`); yields their base URLs; always stops them.
     Fresh per repeat: a server keeps its speed for its lifetime, and instances of one build differed by up to
     7 % (docs/benchmark.md), which servers kept for the whole bench would have made a fixed bias of a mode."""
-    item, args, headers = warm_up
     async with contextlib.AsyncExitStack() as stack:
         bases = {}
         for mode in modes:
             log_path = server_log_path(out, mode, repeat)
             bases[mode] = await stack.enter_async_context(running_server(cfg, mode, log_path, extra, client))
-            path, body = request_body(item, 0, args)
+            path, body = request_body(warm_up, 0, args)
             warm = await one_request(client, bases[mode], path, body, headers)
             if warm.status != "ok":
                 print(f"[load] {mode}: the warm-up request failed: {warm.error}", flush=True)
@@ -440,7 +439,7 @@ async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     rounds: dict[tuple[int, str], Counter] = {key: Counter() for key in runs}
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         for repeat in range(repeats):
-            async with mode_servers(cfg, modes, out, extra, client, (items[0], args, headers), repeat) as bases:
+            async with mode_servers(cfg, modes, out, extra, client, repeat, items[0], args, headers) as bases:
                 for level in levels:
                     for mode in run_order(modes, repeat):
                         run, ran = await counted_run(client, bases[mode], items, level, n_per_level[level], args,

@@ -139,12 +139,16 @@ class LoadPolicy:
         tokens, seconds = self.rates.get((bucket, policy), (0.0, 0.0))
         return tokens / seconds if seconds > 0 else None
 
+    def measured(self, bucket: int) -> dict[str, float]:
+        """The figures of the policies measured at this load level."""
+        return {p: r for p in POLICIES if (r := self.rate(bucket, p)) is not None}
+
     def _best(self, bucket: int) -> str:
         """The policy with the best figure at this load; with one unmeasured here, what another level learnt
         (`_inherited`: a new load level starts from what the nearest one learnt) -- unless that runs the
         target alone and both ways of doing so are measured here; else the best measured here, else "draft"
         (at the top level "plain" until `_may_draft_first`)."""
-        rates = {p: r for p in POLICIES if (r := self.rate(bucket, p)) is not None}
+        rates = self.measured(bucket)
         if len(rates) < len(POLICIES):
             inherited = self._inherited(bucket)
             if inherited is not None and (inherited not in TARGET_ALONE
@@ -163,12 +167,11 @@ class LoadPolicy:
         if nearest is not None:
             best = self._best(nearest)
         else:
-            measured = [b for b in self.windows
-                        if b != bucket and any(self.rate(b, p) is not None for p in POLICIES)]
+            measured = [b for b in self.windows if b != bucket and self.measured(b)]
             if not measured:
                 return None
             nearest = min(measured, key=lambda b: (abs(b - bucket), -b))
-            best = winner({p: r for p in POLICIES if (r := self.rate(nearest, p)) is not None})
+            best = winner(self.measured(nearest))
         # Up to a higher load prompt lookup's extra positions cost more (chat, bf16, 2 cores: auto with lookup in
         # half its rounds 1.08x `ar` at 8 clients; in 98 % of them 0.91x at 16): plain steps, the safe choice,
         # until lookup's trial there.
@@ -181,7 +184,7 @@ class LoadPolicy:
 
     def _nearest_known(self, bucket: int) -> int | None:
         """The nearest other load level where every policy was measured."""
-        known = [b for b in self.windows if b != bucket and all(self.rate(b, p) is not None for p in POLICIES)]
+        known = [b for b in self.windows if b != bucket and len(self.measured(b)) == len(POLICIES)]
         return min(known, key=lambda b: abs(b - bucket)) if known else None
 
     def _next(self, bucket: int) -> str:
