@@ -6,7 +6,10 @@
         answers to N prompts) and store hidden states + top-k once in the data dir (resumable);
         phase "train": train the draft model on the labelled data, checkpointing into --out (resumable).
     foresight train adapter --data-dir DIR --out DIR [--steps N] [--resume] [--threads T] [--device cpu|cuda]
-        train the hidden-to-hidden adapter on labelled data (resumable; see training/train_adapter.py).
+                            [--decoder-layers N --kl-weight W] [--state-weight W]
+        train the hidden-to-hidden adapter on labelled data (resumable; see training/train_adapter.py). The loss
+        is state_weight * (Smooth L1 + cosine on the predicted states) + kl_weight * KL from the target's next-
+        token law to what the foresight decoder's N top layers make of the prediction (training/adapter_kl.py).
     foresight eval-drafter --drafter DIR [--prompts humaneval] [--limit N] [--temperatures 0,1]
                            [--block-sizes 8,16,32] [--passes 0,1,2,3] --out report.json
     foresight eval-foresight [--drafter DIR] [--decoder-layers 3,15] [--cache-sizes 1,2,4,8,16] --out report.json
@@ -95,13 +98,20 @@ def add_train_args(sub) -> None:
     a.add_argument("--indices", default=None, help="comma list of target hidden-state indices to predict")
     a.add_argument("--decoder-layers", type=int, default=None,
                    help="record the foresight decoder depth to serve the adapter with (its input index must be "
-                        "one the adapter predicts; default: all target layers above the deepest)")
+                        "one the adapter predicts; default: all target layers above the deepest); with "
+                        "--kl-weight, the depth the KL trains through")
     a.add_argument("--init", default=None,
                    help="an adapter checkpoint folder to start from (its stages and indices) instead of target layers")
     a.add_argument("--deepen-top", type=int, default=None,
                    help="with --init: add this many layers to the top stage, below its own, each starting as the "
                         "identity (copies of the target layers below, output projections zeroed)")
     a.add_argument("--train-top-only", action="store_true", help="freeze every stage but the top one")
+    a.add_argument("--kl-weight", type=float, default=None,
+                   help="weight of the KL from the target's stored top-k next-token law to the law the frozen top "
+                        "--decoder-layers layers + norm + LM head give on the predicted states (the decoder's "
+                        "output; needs --decoder-layers). Default 0: the state loss alone")
+    a.add_argument("--state-weight", type=float, default=None,
+                   help="weight of the state loss (Smooth L1 + cosine on the predicted hidden states; default 1)")
     a.add_argument("--lr", type=float, default=None)
     a.add_argument("--ckpt-every", type=int, default=None)
     a.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
@@ -202,7 +212,7 @@ def train_adapter_cmd(args: argparse.Namespace) -> int:
     given = dict(steps=args.steps, batch_seqs=args.batch_seqs, anchors=args.anchors, block_size=args.block_size,
                  layers_per_stage=args.layers_per_stage, bottom_layers=args.bottom_layers, lr=args.lr, ckpt_every=args.ckpt_every, seed=args.seed,
                  decoder_layers=args.decoder_layers, init=args.init, deepen_top=args.deepen_top,
-                 train_top_only=args.train_top_only or None,
+                 train_top_only=args.train_top_only or None, kl_weight=args.kl_weight, state_weight=args.state_weight,
                  target_indices=[int(x) for x in args.indices.split(",")] if args.indices else None)
     s = AdapterTrainSettings(device=args.device, **{k: v for k, v in given.items() if v is not None})
     target = load_target(resolve_target(args.target), torch.float32, args.device)

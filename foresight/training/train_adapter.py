@@ -5,13 +5,23 @@ starts at an anchor n: its inputs are the TRUE tokens y_n..y_{n+gamma}, its cont
 positions 0..n-1 at the adapter's indices, its targets the true states of positions n..n+gamma. The stages
 run stacked as at inference (stage l reads stage l-'s prediction; gradients flow through the chain).
 
-    loss = mean over indices l of  mean_{blocks, positions} [ SmoothL1(h_hat / s_l, h / s_l) + (1 - cos(h_hat, h)) ]
+    loss = state_weight * state_loss + kl_weight * KL
+    state_loss = mean over indices l of  mean_{blocks, positions} [ SmoothL1(h_hat / s_l, h / s_l)
+                                                                    + (1 - cos(h_hat, h)) ]
+    KL = mean_{blocks, positions}  sum_{i in top-k} p_i (log p_i - log q_i)      (only with kl_weight > 0)
 
 Per-index normalisation: s_l is a fixed scalar per index, the RMS of the true states at l over a sample of
 the data (positions >= 1, estimated once at the start and kept in the training state). Residual-stream
 norms grow with depth (SmolLM2: RMS ~1 at index 3, tens at 15-27, outlier channels to 2.6e4), so raw Smooth
 L1 would be dominated by the deepest index; divided by s_l every index's error is in units of its own
 typical scale. The cosine term is scale-free by construction.
+
+The KL term (training/adapter_kl.py) is on what the foresight decoder serves: p is the target's stored top-k
+next-token law at each block position, q the law the target's top `decoder_layers` layers + final norm + LM
+head (frozen: the decoder's own) give on the predicted states at index L - decoder_layers, attending to keys/
+values made from the true context. The state loss alone leaves the error the LM head reads: with a 3-layer
+decoder on SmolLM2 (index 27) the last few hundredths of cosine error become a different next token.
+kl_weight = 0 (the default) is the state loss alone, with no decoder pass.
 
 Also logged: per-index cosine, and the fraction of the "copy" gap recovered,
 1 - MSE(pred) / MSE(copy), where "copy" predicts every block position with the true state of position n-1
@@ -40,6 +50,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..models.adapter import Adapter, AdapterConfig, default_adapter_indices
+from .adapter_kl import FrozenTop, kl_loss
 from .dataset import LabelledData, sample_anchors
 from .run_files import STATE_FILE, open_run, save_state, tail_mean, write_report
 from .train_drafter import lr_at
@@ -56,7 +67,7 @@ class AdapterTrainSettings:
     layers_per_stage: int = 1
     bottom_layers: int | None = None  # depth of the bottom stage (default layers_per_stage); see Adapter.from_target
     target_indices: list[int] | None = None  # default: the data's raw indices below the final norm
-    decoder_layers: int | None = None  # recorded in the checkpoint: the decoder depth to serve it with
+    decoder_layers: int | None = None  # the decoder depth to serve it with (recorded in the checkpoint); the KL's
     init: str | None = None  # an adapter checkpoint to start from (its stages and indices), instead of the target
     deepen_top: int = 0  # layers added to the top stage below its own, each starting as the identity
     train_top_only: bool = False  # freeze every stage but the top one (its input distribution stays fixed)
@@ -66,6 +77,8 @@ class AdapterTrainSettings:
     weight_decay: float = 0.0  # decay would pull the copied target weights toward 0
     grad_clip: float = 1.0
     smooth_l1_beta: float = 1.0
+    state_weight: float = 1.0  # weight of the state loss (Smooth L1 + cosine)
+    kl_weight: float = 0.0  # weight of the KL through the decoder's top layers (0: none; needs decoder_layers)
     ckpt_every: int = 200
     seed: int = 0
     device: str = "cpu"
@@ -79,6 +92,8 @@ class AdapterBatch:
     mask: torch.Tensor  # [S, Q, T+Q] bool: context positions < the block's anchor, causal inside the block
     targets: torch.Tensor  # [S, Q, F] true states of the block positions
     copy: torch.Tensor  # [S, Q, F] true state of the position before the block's anchor (baseline)
+    topk_ids: torch.Tensor  # [S, Q, k] long: the target's top-k next tokens at the block positions
+    topk_logp: torch.Tensor  # [S, Q, k] fp16: their log-probabilities
 
     def to(self, device) -> "AdapterBatch":
         return AdapterBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
@@ -98,18 +113,23 @@ def sample_adapter_blocks(data: LabelledData, gen: torch.Generator, cols: torch.
     seqs, _, anchor_rows = sample_anchors(data, gen, n_seqs, n_anchors, block, spread)
     parts = []
     for i, anchors in zip(seqs.tolist(), anchor_rows.tolist()):
-        states = data.read(i, "hidden", 0, max(anchors) + block)[:, cols]  # positions 0 .. last block end
-        parts.append((data.seq_tokens(i), anchors, states))
-    t = max(max(a) for _, a, _ in parts)
+        lo, hi = min(anchors), max(anchors) + block
+        states = data.read(i, "hidden", 0, hi)[:, cols]  # positions 0 .. last block end
+        top = (data.read(i, "topk_ids", lo, hi), data.read(i, "topk_logp", lo, hi))  # positions lo .. hi-1
+        parts.append((data.seq_tokens(i), anchors, states, top))
+    t = max(max(a) for _, a, _, _ in parts)
     q, f = n_anchors * block, len(cols)
     out = dict(ctx_states=torch.zeros(n_seqs, t, f, dtype=torch.float16), tokens=torch.zeros(n_seqs, q, dtype=torch.long),
                positions=torch.zeros(n_seqs, q, dtype=torch.long), mask=torch.zeros(n_seqs, q, t + q, dtype=torch.bool),
                targets=torch.zeros(n_seqs, q, f, dtype=torch.float16), copy=torch.zeros(n_seqs, q, f, dtype=torch.float16))
+    k = parts[0][3][0].shape[1]
+    out.update(topk_ids=torch.zeros(n_seqs, q, k, dtype=torch.long),
+               topk_logp=torch.zeros(n_seqs, q, k, dtype=torch.float16))
     idx = torch.arange(block)
     causal = torch.ones(block, block, dtype=torch.bool).tril()
     ctx_pos = torch.arange(t)
-    for row, (tokens, anchors, states) in enumerate(parts):
-        n_ctx = max(anchors)
+    for row, (tokens, anchors, states, (top_ids, top_logp)) in enumerate(parts):
+        n_ctx, lo = max(anchors), min(anchors)
         out["ctx_states"][row, :n_ctx] = states[:n_ctx]
         for a, n in enumerate(anchors):
             sl = slice(a * block, (a + 1) * block)
@@ -119,6 +139,8 @@ def sample_adapter_blocks(data: LabelledData, gen: torch.Generator, cols: torch.
             out["mask"][row, sl, t + a * block:t + (a + 1) * block] = causal
             out["targets"][row, sl] = states[n:n + block]
             out["copy"][row, sl] = states[n - 1]
+            out["topk_ids"][row, sl] = top_ids[n - lo:n - lo + block].long()
+            out["topk_logp"][row, sl] = top_logp[n - lo:n - lo + block]
     return AdapterBatch(**out)
 
 
@@ -136,9 +158,16 @@ def estimate_scales(data: LabelledData, cols: torch.Tensor, n_idx: int, seed: in
 
 
 def adapter_loss(model: Adapter, batch: AdapterBatch, scales: torch.Tensor, beta: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """The state loss of the adapter's predictions for the batch (module docstring)."""
+    pred = model.forward_blocks(batch.ctx_states, batch.tokens, batch.positions, batch.mask)  # [S, Q, F]
+    return state_loss(pred, batch, scales, model.config.hidden_size, beta)
+
+
+def state_loss(pred: torch.Tensor, batch: AdapterBatch, scales: torch.Tensor, hidden: int,
+               beta: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """pred [S, Q, n_idx * H] -> (Smooth L1 + cosine distance, averaged over indices; per-index stats)."""
     n_idx = len(scales)
-    pred = model.forward_blocks(batch.ctx_states, batch.tokens, batch.positions, batch.mask)
-    shape = (n_idx, model.config.hidden_size)
+    shape = (n_idx, hidden)
     p = pred.float().unflatten(-1, shape)  # [S, Q, n_idx, H]
     t = batch.targets.float().unflatten(-1, shape)
     s = scales.to(p.device)[:, None]
@@ -153,6 +182,17 @@ def adapter_loss(model: Adapter, batch: AdapterBatch, scales: torch.Tensor, beta
         stats = {"cos": [float(v) for v in cos.mean((0, 1))], "smooth_l1": [float(v) for v in l1.mean((0, 1))],
                  "gap_recovered": [float(v) for v in 1 - mse / mse_copy.clamp_min(1e-12)]}
     return loss, stats
+
+
+def training_loss(model: Adapter, batch: AdapterBatch, scales: torch.Tensor, s: AdapterTrainSettings,
+                  top: FrozenTop | None = None) -> tuple[torch.Tensor, dict]:
+    """state_weight * state loss (+ kl_weight * KL through `top`, the decoder's frozen layers, when given)."""
+    pred = model.forward_blocks(batch.ctx_states, batch.tokens, batch.positions, batch.mask)  # [S, Q, F]
+    loss, stats = state_loss(pred, batch, scales, model.config.hidden_size, s.smooth_l1_beta)
+    if top is None:
+        return s.state_weight * loss, stats
+    kl, kl_stats = kl_loss(top.log_probs(batch, pred), batch.topk_ids, batch.topk_logp)
+    return s.state_weight * loss + s.kl_weight * kl, {"state_loss": loss.item(), **kl_stats, **stats}
 
 
 def build_adapter(target, data: LabelledData, s: AdapterTrainSettings) -> Adapter:
@@ -174,6 +214,11 @@ def train_adapter(target, data: LabelledData, out: Path, s: AdapterTrainSettings
                   log=print) -> dict:
     out = Path(out)
     state, s = open_run(out, resume, s)
+    if state is not None and s.kl_weight:  # the KL's decoder depth is part of the loss: a resumed run keeps its own
+        stored = state["settings"].get("decoder_layers")
+        if s.decoder_layers not in (None, stored):
+            raise ValueError(f"decoder_layers sets the KL term: this run trains with {stored}, not {s.decoder_layers}")
+        s.decoder_layers = stored
     device = torch.device(s.device)
     torch.manual_seed(s.seed)
     if state is None:
@@ -184,6 +229,7 @@ def train_adapter(target, data: LabelledData, out: Path, s: AdapterTrainSettings
     model = model.to(device).train()
     if s.train_top_only:
         model.stages[:-1].requires_grad_(False)
+    top = FrozenTop(target, s.decoder_layers, model.target_indices) if s.kl_weight else None  # the KL's decoder
     cols = columns(data, model.target_indices, model.config.hidden_size)
     scales = state["scales"] if state is not None else estimate_scales(data, cols, len(model.target_indices), s.seed)
     scales_t = torch.tensor(scales, dtype=torch.float32)
@@ -207,7 +253,7 @@ def train_adapter(target, data: LabelledData, out: Path, s: AdapterTrainSettings
         batch = sample_adapter_blocks(data, gen, cols, s.batch_seqs, s.anchors, s.block_size, s.spread).to(device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
-        loss, stats = adapter_loss(model, batch, scales_t, s.smooth_l1_beta)
+        loss, stats = training_loss(model, batch, scales_t, s, top)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
@@ -217,7 +263,8 @@ def train_adapter(target, data: LabelledData, out: Path, s: AdapterTrainSettings
                         "lr": opt.param_groups[0]["lr"], "s": time.perf_counter() - t0})
         bar.update(1)
         bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", cos="/".join(f"{c:.3f}" for c in stats["cos"]),
-                        gap="/".join(f"{g:.2f}" for g in stats["gap_recovered"]))
+                        gap="/".join(f"{g:.2f}" for g in stats["gap_recovered"]),
+                        **({"agree": f"{stats['agree']:.3f}"} if top is not None else {}))
         if step % s.ckpt_every == 0 or step == s.steps:
             save_all(model, opt, s, scales, step, history, out)
     bar.close()
@@ -235,14 +282,18 @@ def save_all(model: Adapter, opt, s: AdapterTrainSettings, scales: list[float], 
                      "settings": asdict(s), "config": model.config.to_dict(), "scales": scales})
     report = {"steps_done": step, "settings": asdict(s), "target_indices": model.target_indices,
               "loss_scales": scales, "params": model.num_trainable(), "data": model.config.extra.get("data"),
-              "last50_mean": tail_mean(history, ("loss", "s", "cos", "smooth_l1", "gap_recovered"))}
+              "last50_mean": tail_mean(history, ("loss", "s", "cos", "smooth_l1", "gap_recovered")
+                                       + (("state_loss", "kl", "agree") if s.kl_weight else ()))}
     curves = []
     for j, ell in enumerate(model.target_indices):
         curves.append((f"cos, index {ell}", [h["cos"][j] for h in history], "-"))
         curves.append((f"copy gap recovered, {ell}", [h["gap_recovered"][j] for h in history], "--"))
-    write_report(out, report, history, "Smooth L1 + cosine distance", "loss", curves,
-                 "agreement with the true states")
+    if s.kl_weight:
+        curves.append((f"decoder top-1 = target's, {s.decoder_layers} layers", [h["agree"] for h in history], ":"))
+    kl = f" + {s.kl_weight:g} KL" if s.kl_weight else ""
+    write_report(out, report, history, "Smooth L1 + cosine distance" + kl, "loss", curves,
+                 "agreement with the true states" + (" and next tokens" if s.kl_weight else ""))
 
 
-__all__ = ["AdapterTrainSettings", "AdapterBatch", "sample_adapter_blocks", "adapter_loss", "estimate_scales",
-           "build_adapter", "train_adapter"]
+__all__ = ["AdapterTrainSettings", "AdapterBatch", "sample_adapter_blocks", "adapter_loss", "state_loss",
+           "training_loss", "estimate_scales", "build_adapter", "train_adapter"]
