@@ -6,7 +6,7 @@
         answers to N prompts) and store hidden states + top-k once in the data dir (resumable);
         phase "train": train the draft model on the labelled data, checkpointing into --out (resumable).
     foresight train adapter --data-dir DIR --out DIR [--steps N] [--resume] [--threads T] [--device cpu|cuda]
-                            [--decoder-layers N --kl-weight W] [--state-weight W]
+                            [--decoder-layers N --kl-weight W] [--state-weight W] [--time-budget SECONDS]
         train the hidden-to-hidden adapter on labelled data (resumable; see training/train_adapter.py). The loss
         is state_weight * (Smooth L1 + cosine on the predicted states) + kl_weight * KL from the target's next-
         token law to what the foresight decoder's N top layers make of the prediction (training/adapter_kl.py).
@@ -114,6 +114,8 @@ def add_train_args(sub) -> None:
                    help="weight of the state loss (Smooth L1 + cosine on the predicted hidden states; default 1)")
     a.add_argument("--lr", type=float, default=None)
     a.add_argument("--ckpt-every", type=int, default=None)
+    a.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of training: after a few timed steps, --steps is cut to what fits (0 = no limit)")
     a.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     a.add_argument("--seed", type=int, default=None)
     a.add_argument("--resume", action="store_true", help="continue the training state in --out")
@@ -210,9 +212,11 @@ def train_adapter_cmd(args: argparse.Namespace) -> int:
     from .train_adapter import AdapterTrainSettings, train_adapter
 
     given = dict(steps=args.steps, batch_seqs=args.batch_seqs, anchors=args.anchors, block_size=args.block_size,
-                 layers_per_stage=args.layers_per_stage, bottom_layers=args.bottom_layers, lr=args.lr, ckpt_every=args.ckpt_every, seed=args.seed,
+                 layers_per_stage=args.layers_per_stage, bottom_layers=args.bottom_layers, lr=args.lr,
+                 ckpt_every=args.ckpt_every, seed=args.seed,
                  decoder_layers=args.decoder_layers, init=args.init, deepen_top=args.deepen_top,
                  train_top_only=args.train_top_only or None, kl_weight=args.kl_weight, state_weight=args.state_weight,
+                 time_budget_s=args.time_budget,
                  target_indices=[int(x) for x in args.indices.split(",")] if args.indices else None)
     s = AdapterTrainSettings(device=args.device, **{k: v for k, v in given.items() if v is not None})
     target = load_target(resolve_target(args.target), torch.float32, args.device)

@@ -1,4 +1,5 @@
-"""What a training run writes beside its checkpoint: the resumable state, report.json and loss.png.
+"""What a training run writes beside its checkpoint (the resumable state, report.json and loss.png), and the
+step count that fits a time budget.
 
 Shared by the drafter and adapter trainers, which differ only in what they measure per step.
 """
@@ -14,6 +15,7 @@ STATE_FILE = "train_state.pt"  # fp32 weights + optimizer, for --resume; never c
 REPORT_FILE = "report.json"
 PLOT_FILE = "loss.png"
 MAX_HISTORY = 500  # history rows kept in the report (evenly thinned)
+BUDGET_PROBE = 30  # steps timed (after the first, which compiles / warms up) to fit a time budget
 
 
 # Settings a resumed run takes from the command line: they change neither the batches nor the updates.
@@ -34,6 +36,50 @@ def open_run(out: Path, resume: bool, settings):
     state = torch.load(path, map_location="cpu", weights_only=True)
     kept = {k: getattr(settings, k) for k in RESETTABLE if hasattr(settings, k)}
     return state, type(settings)(**{**state["settings"], **kept})
+
+
+class StepBudget:
+    """Fits a run's `settings.steps` to `settings.time_budget_s` seconds (0: no budget; the settings need
+    `steps`, `time_budget_s` and `decay_frac`). The trainer reports each step done with its own clock's
+    reading; after the first step (which compiles / warms up) every BUDGET_PROBE steps are timed and the
+    count re-fitted, until the cosine decay begins, so warmup and the decay stay whole. Re-fitted, not fixed
+    once: the first window can be far slower than the rest (on the H200, three runs sharing the GPU while
+    others still loaded their data measured 0.27 s/step, then ran at 0.09: the budget was a third used)."""
+
+    def __init__(self, settings, step: int, now: float, bar):
+        """step: the steps already done (a resumed run's); now: the clock before the first step; bar: the
+        progress bar (its total follows the fitted count)."""
+        self.s, self.bar = settings, bar
+        self.first, self.started, self.asked = step, now, settings.steps
+        self.probe_start = now
+
+    def step_done(self, step: int, now: float) -> None:
+        s = self.s
+        if step == self.first + 1:
+            self.probe_start = now
+            return
+        if s.time_budget_s > 0 and (step - self.first - 1) % BUDGET_PROBE == 0 and step < decay_start(s):
+            s.steps = steps_within_budget(s, step, (now - self.probe_start) / BUDGET_PROBE, now - self.started,
+                                          self.bar, cap=self.asked, quiet=step > self.first + 1 + BUDGET_PROBE)
+            self.probe_start = now
+
+
+def steps_within_budget(s, step: int, per_step: float, elapsed: float, bar, cap: int | None = None,
+                        quiet: bool = False) -> int:
+    """The step count that ends within `s.time_budget_s` at the rate of the latest probe window (never
+    more than `cap`, default `s.steps`, never fewer than done). Only re-fitted before the cosine decay
+    begins, so warmup and the decay stay whole."""
+    fit = step + int((s.time_budget_s - elapsed) / per_step)
+    steps = max(step, min(cap or s.steps, fit))
+    bar.total = steps
+    if not quiet:
+        bar.write(f"[train] {per_step * 1e3:.0f} ms/step: {steps} steps fit the {s.time_budget_s:.0f} s budget")
+    return steps
+
+
+def decay_start(s) -> int:
+    """The step the cosine decay of the learning rate begins at (the last `decay_frac` of the steps)."""
+    return int(s.steps * (1 - s.decay_frac))
 
 
 def save_state(out: Path, state: dict) -> None:

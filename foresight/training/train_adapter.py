@@ -35,8 +35,10 @@ linear layer, on top of the blocks' pass. It reads the blocks' layout (equal con
 context prefix) from the mask `sample_adapter_blocks` builds and refuses any other.
 
 AdamW, warmup / constant / cosine decay (`lr_at` of the drafter), seeded: the batch of step t depends only
-on (seed, t), so a resumed run sees the same batches as an uninterrupted one. The output folder is the
-checkpoint (config.json + model.safetensors, fp16) plus report.json, loss.png and train_state.pt.
+on (seed, t), so a resumed run sees the same batches as an uninterrupted one. `time_budget_s` cuts the steps
+to what fits a wall-clock budget, as the drafter's does (`run_files.StepBudget`; the schedule follows the cut
+count). The output folder is the checkpoint (config.json + model.safetensors, fp16) plus report.json,
+loss.png and train_state.pt.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ from tqdm import tqdm
 from ..models.adapter import Adapter, AdapterConfig, default_adapter_indices
 from .adapter_kl import FrozenTop, kl_loss
 from .dataset import LabelledData, sample_anchors
-from .run_files import STATE_FILE, open_run, save_state, tail_mean, write_report
+from .run_files import STATE_FILE, StepBudget, open_run, save_state, tail_mean, write_report
 from .train_drafter import lr_at
 
 
@@ -82,6 +84,7 @@ class AdapterTrainSettings:
     ckpt_every: int = 200
     seed: int = 0
     device: str = "cpu"
+    time_budget_s: float = 0.0  # > 0: after BUDGET_PROBE steps, cut `steps` to what fits (run_files.StepBudget)
 
 
 @dataclass(slots=True)
@@ -247,6 +250,7 @@ def train_adapter(target, data: LabelledData, out: Path, s: AdapterTrainSettings
     model.config.extra = {**({"init": started_from} if started_from else {}), "train": asdict(s), "loss_scales": scales,
                           "data": {"tokens": data.num_tokens, "sequences": len(data), "path": str(data.path)}}
     bar = tqdm(total=s.steps, initial=step, unit="step", desc="train adapter", dynamic_ncols=True)
+    budget = StepBudget(s, step, time.perf_counter(), bar)
     while step < s.steps:
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(s.seed * 1_000_003 + step)
@@ -259,6 +263,7 @@ def train_adapter(target, data: LabelledData, out: Path, s: AdapterTrainSettings
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         opt.step()
         step += 1
+        budget.step_done(step, time.perf_counter())
         history.append({"step": step, "loss": loss.item(), **stats, "grad_norm": float(grad_norm),
                         "lr": opt.param_groups[0]["lr"], "s": time.perf_counter() - t0})
         bar.update(1)
@@ -277,6 +282,7 @@ def save_all(model: Adapter, opt, s: AdapterTrainSettings, scales: list[float], 
              out: Path) -> None:
     """The checkpoint folder (fp16), the resumable state, and the report."""
     model.config.extra["steps_done"] = step
+    model.config.extra["train"] = asdict(s)  # as run: a time budget may have cut `steps`
     model.save(out)
     save_state(out, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
                      "settings": asdict(s), "config": model.config.to_dict(), "scales": scales})

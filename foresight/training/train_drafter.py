@@ -22,10 +22,7 @@ from tqdm import tqdm
 from ..models.draft_model import DraftConfig, DraftModel, SharedWeights
 from .dataset import BlockBatch, LabelledData, choose_vocab_subset, sample_blocks
 from .draft_init import initialise
-from .run_files import STATE_FILE, open_run, save_state, tail_mean, write_report
-
-
-BUDGET_PROBE = 30  # steps timed (after the first, which compiles / warms up) to fit a time budget
+from .run_files import STATE_FILE, StepBudget, decay_start, open_run, save_state, tail_mean, write_report
 
 
 @dataclass(slots=True)
@@ -118,7 +115,7 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
     model.config.extra.update({"train": asdict(s), "data": {"tokens": data.num_tokens, "sequences": len(data),
                                                             "path": str(data.path)}})
     bar = tqdm(total=s.steps, initial=step, unit="step", desc="train drafter", dynamic_ncols=True)
-    first, started, asked = step, time.perf_counter(), s.steps
+    budget = StepBudget(s, step, time.perf_counter(), bar)
     while step < s.steps:
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(s.seed * 1_000_003 + step)
@@ -132,17 +129,7 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
         opt.step()
         step += 1
-        if step == first + 1:
-            probe_start = time.perf_counter()
-        if s.time_budget_s > 0 and (step - first - 1) % BUDGET_PROBE == 0 and step > first + 1 \
-                and step < decay_start(s):
-            # Re-fitted after every BUDGET_PROBE steps until the decay begins: the first window can be
-            # far slower than the rest (on the H200, three runs sharing the GPU while others still
-            # loaded their data measured 0.27 s/step, then ran at 0.09: the budget was a third used).
-            now = time.perf_counter()
-            s.steps = steps_within_budget(s, step, (now - probe_start) / BUDGET_PROBE, now - started, bar,
-                                          cap=asked, quiet=step > first + 1 + BUDGET_PROBE)
-            probe_start = now
+        budget.step_done(step, time.perf_counter())
         history.append({"step": step, "loss": loss.item(), **stats, "grad_norm": float(grad_norm),
                         "lr": opt.param_groups[0]["lr"], "s": time.perf_counter() - t0})
         bar.update(1)
@@ -153,23 +140,6 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
     if not history or history[-1]["step"] != step or not (out / "report.json").exists():
         save_all(model, opt, s, step, history, out)
     return json.loads((out / "report.json").read_text())
-
-
-def steps_within_budget(s: TrainSettings, step: int, per_step: float, elapsed: float, bar, cap: int | None = None,
-                        quiet: bool = False) -> int:
-    """The step count that ends within `s.time_budget_s` at the rate of the latest probe window (never
-    more than `cap`, default `s.steps`, never fewer than done). Only re-fitted before the cosine decay
-    begins, so warmup and the decay stay whole."""
-    fit = step + int((s.time_budget_s - elapsed) / per_step)
-    steps = max(step, min(cap or s.steps, fit))
-    bar.total = steps
-    if not quiet:
-        bar.write(f"[train] {per_step * 1e3:.0f} ms/step: {steps} steps fit the {s.time_budget_s:.0f} s budget")
-    return steps
-
-
-def decay_start(s: TrainSettings) -> int:
-    return int(s.steps * (1 - s.decay_frac))
 
 
 def _model_from_state(target, data: LabelledData, state: dict, s: TrainSettings) -> DraftModel:

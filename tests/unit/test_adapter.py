@@ -1,10 +1,12 @@
 """The hidden-to-hidden adapter on tiny random targets: shapes, causality inside the block, the context cache
 (read-only in predict, incremental == all at once, rollback), what the initialisation makes exact, save/load,
-and training (the loss goes down; resume == uninterrupted); then the same on hybrid targets (Qwen3.5,
-Qwen3-Next: Gated DeltaNet layers, whose context is a committed recurrent state, and gated attention)."""
+and training (the loss goes down; resume == uninterrupted; a time budget cuts the steps); then the same on
+hybrid targets (Qwen3.5, Qwen3-Next: Gated DeltaNet layers, whose context is a committed recurrent state, and
+gated attention)."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from foresight.models.adapter_layers import LinearAdapterLayer
 from foresight.training.dataset import LabelledData
 from foresight.training.labelling import DataDir, LabelSettings, Labeller, label_stream
 from foresight.training.train_adapter import (AdapterTrainSettings, adapter_loss, columns, estimate_scales,
-                                              sample_adapter_blocks, train_adapter)
+                                              sample_adapter_blocks, train_adapter, training_loss)
 from support.tiny_models import VOCAB, tiny_config, tiny_model
 
 torch.set_num_threads(1)
@@ -235,6 +237,42 @@ def test_train_resume_matches_uninterrupted_run(data_dir, target, tmp_path):
     a, b = Adapter.load(tmp_path / "a", target), Adapter.load(tmp_path / "b", target)
     assert (a.config.decoder_layers, b.config.decoder_layers) == (None, 2)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_time_budget_cuts_the_steps(data_dir, target, tmp_path, monkeypatch):
+    """A budget cuts the run to the steps that fit at the measured rate (a fake clock: every step takes 1 s)."""
+    import foresight.training.train_adapter as ta
+
+    clock = {"t": 0.0}
+
+    def one_second_steps(*args, **kw):
+        clock["t"] += 1.0
+        return training_loss(*args, **kw)
+
+    monkeypatch.setattr(ta, "time", SimpleNamespace(perf_counter=lambda: clock["t"]))
+    monkeypatch.setattr(ta, "training_loss", one_second_steps)
+    s = AdapterTrainSettings(steps=400, batch_seqs=1, anchors=1, block_size=6, ckpt_every=10_000, warmup=1,
+                             time_budget_s=40.0)
+    report = train_adapter(target, LabelledData(data_dir), tmp_path, s)
+    # the first step and BUDGET_PROBE = 30 timed ones took 31 s: 9 more fit the 40 s budget
+    assert report["steps_done"] == 40 and clock["t"] == 40.0
+    assert (report["settings"]["steps"], report["settings"]["time_budget_s"]) == (40, 40.0)  # the steps as run
+    assert Adapter.load(tmp_path, target).config.extra["train"]["steps"] == 40
+
+
+def test_cli_passes_the_time_budget(data_dir, target, tmp_path, monkeypatch):
+    import foresight.target_worker.loading as loading
+    import foresight.training.train_adapter as ta
+    from foresight.training.__main__ import main
+
+    seen = []
+    monkeypatch.setattr(loading, "resolve_target", lambda path: path)
+    monkeypatch.setattr(loading, "load_target", lambda path, dtype, device: target)
+    monkeypatch.setattr(ta, "train_adapter", lambda tgt, data, out, s, resume=False: seen.append(s) or
+                        {"steps_done": 0, "last50_mean": {}})
+    args = ["train", "adapter", "--data-dir", str(data_dir), "--out", str(tmp_path)]
+    assert main(args + ["--time-budget", "90"]) == 0 and main(args) == 0
+    assert [s.time_budget_s for s in seen] == [90.0, 0.0]
 
 
 def test_deepened_adapter_predicts_as_before(target, seq):

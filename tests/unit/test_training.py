@@ -21,7 +21,8 @@ from foresight.training.dataset import LabelledData, choose_vocab_subset, sample
 from foresight.training.draft_init import initialise, validate_init
 from foresight.training.eval_drafter import greedy_reference, speculate
 from foresight.training.labelling import DataDir, LabelSettings, Labeller, label_all
-from foresight.training.train_drafter import TrainSettings, build_model, kl_loss, lr_at, steps_within_budget, train
+from foresight.training.run_files import BUDGET_PROBE, steps_within_budget
+from foresight.training.train_drafter import TrainSettings, build_model, kl_loss, lr_at, train
 from support.tiny_models import VOCAB, plain_greedy, tiny_model
 from support.toy_text import toy_encode
 
@@ -213,7 +214,7 @@ def test_time_budget_is_refitted_until_the_decay(data_dir, target, tmp_path, mon
         return clock["t"]
 
     def slow_then_fast(model, batch, bf16=False):
-        clock["t"] += 1.0 if clock["step"] < 1 + td.BUDGET_PROBE else 0.1
+        clock["t"] += 1.0 if clock["step"] < 1 + BUDGET_PROBE else 0.1
         clock["step"] += 1
         return kl_loss(model, batch, bf16)
 
