@@ -25,6 +25,15 @@ auto's pipelined trials, a round of ~300 ms against ~45 ms of prompt lookup, too
 of its rounds. (Those rounds also paid for the adapter and decoder taking in the context; since then the
 target worker has the drafter catch up first, `TargetWorker.awaits_catch_up`.)
 
+The schedule sees only the rounds a strategy runs, and a trial's cost need not be in them: a switch to pipelined
+first holds the request on prompt-lookup rounds while the drafter catches up (slower: the drafter takes the core
+the target borrows), and pipelined measures one round a trial, so its estimate stays unconfident and its waits
+short. Measured (bf16 chat T=1, twelve requests, a round log): its trials took ~2 % of auto's time, the catch-ups
+a third of that. So re-checks of a measured strategy also wait while the class's re-checks so far cost more
+than EXPLORE_SHARE of its time (`exploring_cost`: each trial round's and held round's time beyond the best other
+estimate's pace for its tokens; a trial that pays lowers it). First trials of a strategy not measured yet are
+not counted: they are the one-off price of knowing anything of it.
+
 Rounds come in two contexts, whether prompt lookup finds a match for the round (`round_context`, decided on
 the request's tokens before the round), and the estimates above are kept per context. What exploring needs
 stays the class's: the clock between trials, the first unmeasured round, the two measured rounds before a
@@ -68,6 +77,9 @@ PROMISING = 1.1  # a trial round is promising when it beats every other estimate
 # so its trial lasts two rounds and only rounds after another pipelined one are measured.
 TRIAL_ROUNDS = {Strategy.PIPELINED: 2}
 MIN_MEASURED = 2  # rounds a strategy must have measured in a class before it competes on its estimate
+# Trials that are due wait while the class's trials so far cost more than this share of its time, net of what
+# they gained (`exploring_cost`); a strategy not yet measured is tried regardless.
+EXPLORE_SHARE = 0.01
 
 
 @dataclass(slots=True)
@@ -94,6 +106,7 @@ class RequestChoice:
     previous: str = ""  # the strategy of the round before the current one
     trial_left: int = 0  # further rounds the current trial runs
     trial_rounds: int = 0  # rounds the current trial has run (0: not in a trial)
+    trial_due: bool = False  # the current trial re-checks a measured strategy (its cost counts, EXPLORE_SHARE)
     last_rate: float = 0.0  # tokens per second of the last measured round
     measured: dict[tuple[str, str], Goodput] = field(default_factory=dict)  # (context, strategy) -> own rounds
     rounds: dict[str, int] = field(default_factory=dict)  # strategy -> rounds run (the usage block)
@@ -120,6 +133,8 @@ class StrategyChooser:
         self.measured_n: dict[tuple[str, str], int] = {}  # (group, strategy) -> rounds measured
         # (group, strategy) -> recent rounds run, measured or not (but the first): what a round of it costs
         self.spent: dict[tuple[str, str], Goodput] = {}
+        self.elapsed_s: dict[str, float] = {}  # group -> seconds of the rounds it was told of
+        self.exploring_s: dict[str, float] = {}  # group -> seconds its trials cost beyond the best estimate's pace
 
     def start(self, group: str, context: str = "") -> RequestChoice:
         """A new request of `group`; its first round's strategy (in `context`) is chosen here."""
@@ -131,6 +146,7 @@ class StrategyChooser:
         """The current round committed `tokens` in `seconds` (see the module docstring)."""
         s = choice.current
         choice.rounds[s] = choice.rounds.get(s, 0) + 1
+        self._charge(choice, tokens, seconds)
         key = (choice.group, s)  # first rounds, measured counts and round costs: the class's
         self.runs[key] = self.runs.get(key, 0) + 1
         if seconds > 0 and self.runs[key] > 1:
@@ -145,6 +161,31 @@ class StrategyChooser:
         for group in {choice.key, choice.group}:  # the context's figures and the class's
             self.pooled[group][s].add(tokens, seconds, POOLED_DECAY)
         self.rounds[choice.group] += 1
+
+    def observe_held(self, choice: RequestChoice, tokens: int, seconds: float) -> None:
+        """A round that ran prompt lookup instead of the current strategy while the drafter caught up for it (the
+        target worker's `awaits_catch_up`): not a measurement of either, but when the current strategy is on
+        trial, what the round lost to the catch-up is the trial's cost."""
+        if choice.trial_rounds and choice.trial_due:
+            self._charge(choice, tokens, seconds)
+
+    def _charge(self, choice: RequestChoice, tokens: int, seconds: float) -> None:
+        """Count a round (`tokens` in `seconds`) into the class's time, and, in the trial of a measured strategy,
+        what it took beyond the pace of the best estimate of a strategy other than the one on trial (less: a
+        trial that pays earns the next ones their time). The first trials of a strategy not measured yet are
+        the one-off price of knowing anything of it and are not counted."""
+        group = choice.group
+        self.elapsed_s[group] = self.elapsed_s.get(group, 0.0) + max(0.0, seconds)
+        if not (choice.trial_rounds and choice.trial_due) or seconds <= 0:
+            return
+        rates = [r for s, r in self.estimates(choice).items() if s != choice.current and r]
+        if rates:
+            self.exploring_s[group] = self.exploring_s.get(group, 0.0) + seconds - tokens / max(rates)
+
+    def exploring_cost(self, group: str) -> float:
+        """The share of the class's time its trials cost so far, net of what they gained."""
+        elapsed = self.elapsed_s.get(group, 0.0)
+        return self.exploring_s.get(group, 0.0) / elapsed if elapsed > 0 else 0.0
 
     def advance(self, choice: RequestChoice, context: str = "") -> str:
         """Choose the strategy of the request's next round, whose context is `context` (it becomes
@@ -161,11 +202,11 @@ class StrategyChooser:
         choice.trial_rounds = 0
         untried = [s for s in self.strategies if rates[s] is None or self._untried(choice.group, s)]
         if untried:
-            return self._trial(choice, untried[0])
+            return self._trial(choice, untried[0], due=False)
         best = max(self.strategies, key=lambda s: rates[s])
         due = self._most_overdue(choice, rates, best)
-        if due is not None:
-            return self._trial(choice, due)
+        if due is not None and self.exploring_cost(choice.group) <= EXPLORE_SHARE:
+            return self._trial(choice, due, due=True)
         choice.current = best
         return best
 
@@ -229,8 +270,9 @@ class StrategyChooser:
             mean[s] = spent.seconds / spent.rounds if spent.rounds else 0.0
         return max(1.0, mean[strategy] / mean[best]) if mean[best] > 0 else 1.0
 
-    def _trial(self, choice: RequestChoice, strategy: str) -> str:
+    def _trial(self, choice: RequestChoice, strategy: str, due: bool) -> str:
         self.tried_at[(choice.group, strategy)] = self.rounds[choice.group]
+        choice.trial_due = due
         choice.current = strategy
         choice.trial_left = TRIAL_ROUNDS.get(strategy, 1) - 1
         choice.trial_rounds = 1

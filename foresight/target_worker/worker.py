@@ -466,6 +466,8 @@ class TargetWorker:
         if state.choice is not None and committed is not None and ran_own:
             self.chooser.observe(state.choice, committed, state.round_cost_s)
             self.chooser.advance(state.choice, self.round_context(state.request.prompt_ids + state.output_ids))
+        elif state.choice is not None and committed is not None and state.held_for_catch_up:
+            self.chooser.observe_held(state.choice, committed, state.round_cost_s)  # a trial's catch-up costs it
         if state.held_local:  # under load the target does better alone (load_policy.py)
             return self.policy.held_strategy(state.mode)
         state.held_for_catch_up = self.awaits_catch_up(state)

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from foresight.target_worker import strategy_choice
 from foresight.target_worker.strategy_choice import StrategyChooser, request_group
 
 STRATEGIES = ("ar", "sync", "pipelined", "ngram", "hybrid")
@@ -220,3 +221,46 @@ def test_round_context_is_whether_lookup_finds_a_long_enough_match():
     assert round_context(seen, 3) == "match"
     assert round_context(seen, 4) == "free"  # "2 5 6 7" did not
     assert round_context([1, 2, 3, 4, 5], 1) == "free"
+
+
+
+def serve_with_catch_ups(chooser: StrategyChooser, held: int, held_s: float, requests: int = 12,
+                         rounds: int = 80) -> tuple[float, int]:
+    """Sampled requests where prompt lookup is best (one token a 27 ms round) and pipelined behind (a round of
+    52 ms that commits one token, or two a quarter of the time; its switch-in round unmeasured), and each switch
+    to pipelined first holds the request on `held` lookup rounds of `held_s` while the drafter catches up.
+    Returns the share of time lost against lookup alone, and the pipelined trials."""
+    rng = random.Random(0)
+    tokens = seconds = 0.0
+    trials = 0
+    for _ in range(requests):
+        choice = chooser.start("sampled")
+        for _ in range(rounds):
+            if choice.current == "pipelined" and choice.previous != "pipelined":
+                trials += 1
+                for _ in range(held):  # held for the catch-up: lookup rounds, slower
+                    t = held_s * rng.uniform(0.9, 1.1)
+                    chooser.observe_held(choice, 1, t)
+                    tokens, seconds = tokens + 1, seconds + t
+            n, t = (1, 0.027) if choice.current == "ngram" else (rng.choice((1, 1, 1, 2)), 0.052)
+            t *= rng.uniform(0.8, 1.2)
+            chooser.observe(choice, n, t)
+            tokens, seconds = tokens + n, seconds + t
+            chooser.advance(choice)
+    return 1 - (tokens / seconds) * 0.027, trials
+
+
+def test_trials_whose_catch_ups_cost_time_stay_within_the_exploring_share(monkeypatch):
+    """The catch-up before a pipelined trial is not a round of pipelined: the schedule of trials does not see
+    it. Re-checks of a measured strategy wait while they have cost more than EXPLORE_SHARE of the class's time
+    (catch-ups included), and still come."""
+    def serve(held: int, held_s: float, share: float) -> tuple[float, int]:
+        monkeypatch.setattr(strategy_choice, "EXPLORE_SHARE", share)
+        return serve_with_catch_ups(StrategyChooser(("ngram", "pipelined")), held, held_s, requests=40)
+
+    first, first_trials = serve(12, 0.060, 0.0)  # no re-check at all: what the first trials cost alone
+    lost, trials = serve(12, 0.060, 0.01)
+    unbounded, unbounded_trials = serve(12, 0.060, float("inf"))
+    assert unbounded - first > 0.03, "the schedule alone would spend far more (else this test shows nothing)"
+    assert lost - first < 0.01 + 0.003, (first, lost, unbounded)
+    assert first_trials < trials < unbounded_trials, (first_trials, trials, unbounded_trials)
