@@ -69,7 +69,7 @@ class AdapterTrainSettings:
     layers_per_stage: int = 1
     bottom_layers: int | None = None  # depth of the bottom stage (default layers_per_stage); see Adapter.from_target
     target_indices: list[int] | None = None  # default: the data's raw indices below the final norm
-    decoder_layers: int | None = None  # the decoder depth to serve it with (recorded in the checkpoint); the KL's
+    decoder_layers: int | None = None  # the decoder depth to serve it with (recorded), and the KL's depth
     init: str | None = None  # an adapter checkpoint to start from (its stages and indices), instead of the target
     deepen_top: int = 0  # layers added to the top stage below its own, each starting as the identity
     train_top_only: bool = False  # freeze every stage but the top one (its input distribution stays fixed)
