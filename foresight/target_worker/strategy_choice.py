@@ -29,10 +29,10 @@ The schedule sees only the rounds a strategy runs, and a trial's cost need not b
 first holds the request on prompt-lookup rounds while the drafter catches up (slower: the drafter takes the core
 the target borrows), and pipelined measures one round a trial, so its estimate stays unconfident and its waits
 short. Measured (bf16 chat T=1, twelve requests, a round log): its trials took ~2 % of auto's time, the catch-ups
-a third of that. So re-checks of a measured strategy also wait while the class's re-checks so far cost more
-than EXPLORE_SHARE of its time (`exploring_cost`: each trial round's and held round's time beyond the best other
-estimate's pace for its tokens; a trial that pays lowers it). First trials of a strategy not measured yet are
-not counted: they are the one-off price of knowing anything of it.
+a third of that. So re-checks of a measured strategy whose rounds last longer than the best one's also wait while
+the class's re-checks so far cost more than EXPLORE_SHARE of its time (`exploring_cost`: each trial round's and
+held round's time beyond the best other estimate's pace for its tokens; a trial that pays lowers it). First
+trials of a strategy not measured yet are not counted: they are the one-off price of knowing anything of it.
 
 Rounds come in two contexts, whether prompt lookup finds a match for the round (`round_context`, decided on
 the request's tokens before the round), and the estimates above are kept per context. What exploring needs
@@ -205,10 +205,17 @@ class StrategyChooser:
             return self._trial(choice, untried[0], due=False)
         best = max(self.strategies, key=lambda s: rates[s])
         due = self._most_overdue(choice, rates, best)
-        if due is not None and self.exploring_cost(choice.group) <= EXPLORE_SHARE:
+        if due is not None and not self._held_by_share(choice.group, due, best):
             return self._trial(choice, due, due=True)
         choice.current = best
         return best
+
+    def _held_by_share(self, group: str, rival: str, best: str) -> bool:
+        """Does the re-check of `rival` wait for the class's exploring share (EXPLORE_SHARE)? Only a rival whose
+        rounds last longer than the best one's: a re-check in rounds no longer than the best's costs at most
+        what a round of it loses, and when the best estimate is wrong (a strategy with long rounds that looked
+        good on a few lucky ones), the re-checks of the cheap rivals are what correct it."""
+        return self.exploring_cost(group) > EXPLORE_SHARE and self._round_cost(group, rival, best) > 1.0
 
     def _untried(self, group: str, strategy: str) -> bool:
         """Measured fewer than MIN_MEASURED times (and not hopelessly unmeasurable: bounded tries)."""

@@ -264,3 +264,14 @@ def test_trials_whose_catch_ups_cost_time_stay_within_the_exploring_share(monkey
     assert unbounded - first > 0.03, "the schedule alone would spend far more (else this test shows nothing)"
     assert lost - first < 0.01 + 0.003, (first, lost, unbounded)
     assert first_trials < trials < unbounded_trials, (first_trials, trials, unbounded_trials)
+
+
+def test_the_exploring_share_never_holds_a_rival_in_shorter_rounds(monkeypatch):
+    """When the best estimate is a strategy with long rounds, the re-checks of a rival in short rounds are what
+    correct it if it is wrong: they are not held, whatever the trials have cost."""
+    monkeypatch.setattr(strategy_choice, "EXPLORE_SHARE", -1.0)  # every held re-check would wait for ever
+    chooser = StrategyChooser(("ngram", "pipelined"))
+    used = run(chooser, {"ngram": (1, 0.030), "pipelined": (4, 0.100)}, requests=10, rounds=100)
+    assert sum(u.get("ngram", 0) for u in used[2:]) > 0, "the cheap rival is still re-checked"
+    assert chooser._held_by_share("greedy", "pipelined", "ngram")
+    assert not chooser._held_by_share("greedy", "ngram", "pipelined")
