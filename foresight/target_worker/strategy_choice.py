@@ -77,8 +77,9 @@ PROMISING = 1.1  # a trial round is promising when it beats every other estimate
 # so its trial lasts two rounds and only rounds after another pipelined one are measured.
 TRIAL_ROUNDS = {Strategy.PIPELINED: 2}
 MIN_MEASURED = 2  # rounds a strategy must have measured in a class before it competes on its estimate
-# Trials that are due wait while the class's trials so far cost more than this share of its time, net of what
-# they gained (`exploring_cost`); a strategy not yet measured is tried regardless.
+# Re-checks due of a rival in rounds longer than the best one's wait while the class's re-checks so far cost more
+# than this share of its time, net of what they gained (`exploring_cost`); a strategy not measured yet is tried
+# regardless, a rival in rounds no longer than the best's on schedule.
 EXPLORE_SHARE = 0.01
 
 
