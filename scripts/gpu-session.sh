@@ -24,6 +24,13 @@ cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder that collects the results}"
 DEVICE=${FS_DEVICE:-cuda}
 SCALE=${FS_SCALE:-full}
+# Checked before any device time is spent: the adapter's recipe for the decoder depth it trains for.
+export KL_DEPTH=${FS_ADAPTER_DEPTH:-15}
+case "$KL_DEPTH" in
+  15) KL_RECIPE=(--decoder-layers 15 --lr 1e-4) ;;
+  3) KL_RECIPE=(--deepen-top 1 --train-top-only --decoder-layers 3) ;;
+  *) echo "FS_ADAPTER_DEPTH must be 15 or 3" >&2; exit 2 ;;
+esac
 # A CPU rehearsal runs in the virtualenv of `make setup` where there is one (the system python3 has no torch
 # there, and that venv holds the CPU build of torch, wrong for a GPU); otherwise python3.
 if [ -z "${PY:-}" ]; then
@@ -86,12 +93,6 @@ declare -A INIT=([warm3]="--init $SHIPPED --layers 3 --lr 5e-4" [target3]="--ini
                  [warm4]="--init $SHIPPED --layers 4 --lr 5e-4")
 for v in "${!INIT[@]}"; do [[ " ${FS_VARIANTS:-warm3 target3 warm4} " == *" $v "* ]] || unset "INIT[$v]"; done
 ADAPT=$([ "${FS_ADAPTER:-1}" = 0 ] || echo 1)
-export KL_DEPTH=${FS_ADAPTER_DEPTH:-15}
-case "$KL_DEPTH" in
-  15) KL_RECIPE=(--decoder-layers 15 --lr 1e-4) ;;
-  3) KL_RECIPE=(--deepen-top 1 --train-top-only --decoder-layers 3) ;;
-  *) echo "FS_ADAPTER_DEPTH must be 15 or 3" >&2; exit 2 ;;
-esac
 REPLAYS=$([ "${FS_ADAPTER:-1}" = 0 ] || [ "${FS_EVAL:-1}" = 0 ] || echo 1)
 # The replays of outcome selection run on the CPU (eval-foresight has no device option), one thread each, on
 # the offsets of docs/benchmark.md's replays; the shipped draft model drafts for every adapter.
