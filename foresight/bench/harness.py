@@ -214,10 +214,18 @@ async def engine_session(cfg: EngineConfig, name: str):
 
 
 async def run_interleaved(engine: EngineClient, requests: list[GenerateRequest], runs: list[Run],
-                          tallies: dict[str, ModeTally], name: str, peers: HfPeers | None = None) -> None:
-    """Every run (then every peer) on every request, one after the other within a request, after one
-    warm-up request."""
-    await run_one(engine, request_for_run(requests[0], runs[0], "warmup"), ModeTally())
+                          tallies: dict[str, ModeTally], name: str, peers: HfPeers | None = None) -> dict[str, float]:
+    """Every run (then every peer) on every request, one after the other within a request, after a warm-up
+    request of every run and peer on the first prompt, not counted: what a server pays once in its lifetime
+    (a mode's first calls, auto's first trial of each strategy) is not what it costs per request. Returns each
+    run's warm-up seconds."""
+    warmup_s = {}
+    for run in runs:
+        warm = ModeTally()
+        await run_one(engine, request_for_run(requests[0], run, "warmup"), warm)
+        warmup_s[run.label] = round(warm.wall_s, 3)
+    if peers is not None:
+        await asyncio.to_thread(peers.warm_up, requests[0])
     for i, request in enumerate(requests):
         for run in runs:
             await run_one(engine, request_for_run(request, run, str(i)), tallies[run.label])
@@ -225,6 +233,7 @@ async def run_interleaved(engine: EngineClient, requests: list[GenerateRequest],
             # In a thread: the api-side loop keeps reading the (idle) workers' heartbeats meanwhile.
             await asyncio.to_thread(peers.run_all, request)
         print(f"[{name}] prompt {i + 1}/{len(requests)} done", flush=True)
+    return warmup_s
 
 
 async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
@@ -243,9 +252,9 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
                               f"foresight, hybrid a draft model); it offers {', '.join(info.get('strategies', ()))}")
         requests = build_requests(runner, items, args)
         tallies = {r.label: ModeTally() for r in runs}
-        await run_interleaved(engine, requests, runs, tallies, "bench", peers)
+        warmup_s = await run_interleaved(engine, requests, runs, tallies, "bench", peers)
     ar = tallies["ar"].outputs if "ar" in tallies else None
-    summary = {r.label: tallies[r.label].summary(r.mode, ar) for r in mode_runs}
+    summary = {r.label: tallies[r.label].summary(r.mode, ar) | {"warmup_s": warmup_s[r.label]} for r in mode_runs}
     for label, fields in numerics_probe(cfg, args, requests, mode_runs, tallies).items():
         summary[label].update(fields)
     report = {

@@ -76,6 +76,15 @@ class HfPeers:
         for peer in self.peers:
             self.run(peer, request)
 
+    def warm_up(self, request: GenerateRequest) -> None:
+        """Each peer once on `request`, not counted (as the modes' warm-up: first calls pay one-off costs)."""
+        tallies = self.tallies
+        self.tallies = {p.name: PeerTally(outputs=[]) for p in self.peers}
+        try:
+            self.run_all(request)
+        finally:
+            self.tallies = tallies
+
     @torch.inference_mode()
     def run(self, peer: Peer, request: GenerateRequest) -> None:
         previous = torch.get_num_threads()

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 MODE_FIELDS = {"tokens_per_s", "output_tokens", "wall_s", "rounds", "tau", "hit_rate", "exposed_draft_ms_mean",
                "exposed_draft_ms_p50", "exposed_draft_ms_p90", "verify_ms_mean", "outputs_match_ar",
-               "verified_drafts_mean", "passes_mean", "refreshes_mean", "strategy_rounds", "tau_hits", "tau_misses"}
+               "verified_drafts_mean", "passes_mean", "refreshes_mean", "strategy_rounds", "tau_hits", "tau_misses", "warmup_s"}
 PROBE_FIELDS = {"mismatches", "mismatches_near_tie", "mismatches_unexplained", "mismatch_details"}
 
 
@@ -43,7 +43,7 @@ def test_bench_report(tmp_path):
         assert set(report["modes"][mode]) == MODE_FIELDS | PROBE_FIELDS
         assert_lossless(report["modes"][mode], n_prompts=2)
     for mode in ("ar", "sync", "pipelined", "auto"):
-        assert report["modes"][mode]["output_tokens"] > 0
+        assert report["modes"][mode]["output_tokens"] > 0 and report["modes"][mode]["warmup_s"] > 0
         assert sum(report["modes"][mode]["strategy_rounds"].values()) == report["modes"][mode]["rounds"]
     assert set(report["modes"]["ar"]["strategy_rounds"]) == {"ar"}
     assert set(report["modes"]["auto"]["strategy_rounds"]) <= {"ngram", "pipelined", "hybrid"}

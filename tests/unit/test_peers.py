@@ -23,6 +23,8 @@ def test_hf_peer_greedy_equals_plain_greedy(tmp_path):
     hf = HfPeers(cfg, peers)
     prompt = [5, 17, 33, 2, 60, 5, 17]
     request = GenerateRequest(req_id="p", prompt_ids=prompt, max_tokens=12, sampling=SamplingParams(temperature=0.0))
+    hf.warm_up(request)
+    assert all(t.outputs == [] and t.wall_s == 0.0 for t in hf.tallies.values())  # not counted
     hf.run_all(request)
     want = plain_greedy(hf.model, prompt, 12, eos=hf.eos[0])
     section = hf.section([want], {"ar": {"tokens_per_s": 10.0}})
