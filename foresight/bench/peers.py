@@ -78,15 +78,12 @@ class HfPeers:
 
     def warm_up(self, request: GenerateRequest) -> None:
         """Each peer once on `request`, not counted (as the modes' warm-up: first calls pay one-off costs)."""
-        tallies = self.tallies
-        self.tallies = {p.name: PeerTally(outputs=[]) for p in self.peers}
-        try:
-            self.run_all(request)
-        finally:
-            self.tallies = tallies
+        for peer in self.peers:
+            self.run(peer, request, PeerTally(outputs=[]))
 
     @torch.inference_mode()
-    def run(self, peer: Peer, request: GenerateRequest) -> None:
+    def run(self, peer: Peer, request: GenerateRequest, tally: PeerTally | None = None) -> None:
+        """`peer` on `request`, counted in `tally` (default: the peer's own)."""
         previous = torch.get_num_threads()
         torch.set_num_threads(peer.threads)
         try:
@@ -95,7 +92,7 @@ class HfPeers:
             elapsed = time.perf_counter() - t0
         finally:
             torch.set_num_threads(previous)
-        tally = self.tallies[peer.name]
+        tally = tally if tally is not None else self.tallies[peer.name]
         tally.wall_s += elapsed
         tally.output_tokens += len(tokens)
         tally.outputs.append(tokens)
