@@ -14,7 +14,8 @@ pytestmark = pytest.mark.integration
 
 MODE_FIELDS = {"tokens_per_s", "output_tokens", "wall_s", "rounds", "tau", "hit_rate", "exposed_draft_ms_mean",
                "exposed_draft_ms_p50", "exposed_draft_ms_p90", "verify_ms_mean", "outputs_match_ar",
-               "verified_drafts_mean", "passes_mean", "refreshes_mean", "strategy_rounds", "tau_hits", "tau_misses", "warmup_s"}
+               "verified_drafts_mean", "passes_mean", "refreshes_mean", "strategy_rounds", "tau_hits", "tau_misses",
+               "warmup_s"}
 PROBE_FIELDS = {"mismatches", "mismatches_near_tie", "mismatches_unexplained", "mismatch_details"}
 
 
