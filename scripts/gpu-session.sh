@@ -214,7 +214,8 @@ EOF
 # At depth 3 the adapter travels as the tensors training changed (the top stage, 14 MB in fp16); the stages
 # below it are the shipped adapter's bit for bit (--train-top-only): the whole checkpoint (42 MB) beside a draft
 # model would not come back. At depth 15 every stage trains: the changed tensors are about the whole (35 MB).
-# Rebuilt on arrival (checkpoints/README.md): {**shipped, **trained} as model.safetensors. Checked here first; where it would not rebuild, the whole model.safetensors goes.
+# Rebuilt on arrival (checkpoints/README.md): {**shipped, **trained} as model.safetensors.
+# Checked here first; where it would not rebuild, the whole model.safetensors goes.
 ADAPTER_FILES=
 if [ -f "$WORK/adapter-kl/model.safetensors" ]; then
   weights=$("$PY" - "$WORK/adapter-kl" "$SHIPPED/adapter" <<'EOF' 2>>"$LOG"
