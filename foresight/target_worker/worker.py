@@ -48,6 +48,7 @@ from ..protocol.messages import (
 from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
 from ..protocol.sockets import MessageSocket
 from ..protocol.transport import default_transport
+from ..models.quantization import apply_quantization
 from .cpu_linear import use_cpu_linears
 from .loading import load_target, resolve_dtype, resolve_target
 from .sampling import PositionDraws
@@ -532,6 +533,7 @@ def main(cfg_dict: dict, addrs_dict: dict, layout_dict: dict, strategies: list[s
     with worker_lifetime(ctx, addrs, "target"):
         path = resolve_target(cfg.target)
         model = load_target(path, resolve_dtype(cfg.dtype, cfg.target_device), cfg.target_device)
+        apply_quantization(model, cfg.quantization, path, cfg.target_device, "target")
         use_cpu_linears(model, cfg.cpu_linear, cfg.target_device, "target")
         runner = TargetRunner(model, HiddenLayout(**layout_dict))
         max_len = cfg.max_model_len or model.config.max_position_embeddings

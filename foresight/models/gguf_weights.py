@@ -1,0 +1,109 @@
+"""A GGUF file's 4-bit linear weights as they ship, for the int4 kernels (models/int4_linear.py).
+
+GGUF's Q4_0 and Q4_1 store a weight matrix [out, in] in blocks of 32 consecutive inputs of one row, each
+with an fp16 scale `d` and 32 codes q in 0..15 packed two to a byte (element j in the low nibble of byte j,
+element j + 16 in its high nibble). Q4_1 adds an fp16 minimum `m`: w = d * q + m; Q4_0 has w = d * (q - 8),
+which is Q4_1 with m = -8 d. `Q4Weight` holds both in the Q4_1 form; `dequantize` computes exactly what the
+`gguf` package (and so transformers' GGUF loader) computes, float32 `d * q + m`.
+
+llama.cpp's converter permutes the rows of a Llama's q and k projections (its RoPE pairs adjacent
+dimensions, transformers' pairs halves); transformers undoes that when it loads the file, and so does
+`read_q4_weights`. The permutation moves whole rows, so the blocks stay intact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BLOCK = 32  # inputs per block (and per scale): GGUF's QK4_0 = QK4_1
+# The module names a Llama's rows are permuted for (transformers' LlamaTensorProcessor; only "llama" files).
+PERMUTED = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}
+
+
+@dataclass(slots=True)
+class Q4Weight:
+    """A 4-bit weight [out, in] in groups of `BLOCK` inputs: w = d * q + m."""
+
+    codes: torch.Tensor  # [out, in] uint8, 0..15
+    d: torch.Tensor  # [out, in // BLOCK] float32 (fp16 values in a GGUF)
+    m: torch.Tensor  # [out, in // BLOCK] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] float32, d * q + m (the gguf package's formula, so bit for bit its result)."""
+        d = self.d.repeat_interleave(BLOCK, dim=1)
+        m = self.m.repeat_interleave(BLOCK, dim=1)
+        return d * self.codes.float() + m
+
+    def rows(self, order: torch.Tensor) -> "Q4Weight":
+        return Q4Weight(self.codes[order], self.d[order], self.m[order])
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Q4Weight":
+        """Q4_1 of a dense weight [out, in] (in a multiple of BLOCK), as llama.cpp's reference quantizer does:
+        per block m = min, d = (max - min) / 15, q = round((w - m) / d); d and m rounded to fp16."""
+        out, inp = weight.shape
+        if inp % BLOCK:
+            raise ValueError(f"int4: a weight needs a multiple of {BLOCK} inputs, got {inp}")
+        blocks = weight.detach().float().reshape(out, inp // BLOCK, BLOCK)  # [out, groups, BLOCK]
+        low, high = blocks.amin(-1), blocks.amax(-1)  # [out, groups]
+        d = (high - low) / 15
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        codes = torch.trunc((blocks - low[..., None]) * inv[..., None] + 0.5).clamp(0, 15).to(torch.uint8)
+        return cls(codes.reshape(out, inp), d.half().float(), low.half().float())
+
+
+def _q4_blocks(data: np.ndarray, type_name: str, inp: int) -> Q4Weight:
+    """`data` [out, bytes] uint8, the GGUF tensor's raw blocks."""
+    out = data.shape[0]
+    size = 20 if type_name == "Q4_1" else 18
+    blocks = np.ascontiguousarray(data).reshape(out, inp // BLOCK, size)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if type_name == "Q4_1":
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        packed = blocks[..., 4:]
+    else:
+        m = -8 * d
+        packed = blocks[..., 2:]
+    packed = torch.from_numpy(packed.copy())  # [out, groups, 16]
+    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)  # [out, groups, 32]: low nibbles first
+    return Q4Weight(codes.reshape(out, inp), d, m)
+
+
+def _llama_row_order(rows: int, heads: int) -> torch.Tensor:
+    """The order that undoes llama.cpp's q/k row permutation: new rows = old rows[order]."""
+    half = rows // heads // 2
+    return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def read_q4_weights(gguf_path: Path, model) -> dict[str, Q4Weight]:
+    """The Q4_0/Q4_1 weights of `gguf_path` by the name of the `model` module they belong to (a Hugging Face
+    model of the file's architecture): e.g. "model.layers.0.mlp.down_proj". Weights of other types are left out."""
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+
+    reader = GGUFReader(str(gguf_path))
+    arch_name = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == arch_name), None)
+    if arch is None:
+        raise ValueError(f"int4: the gguf package does not know the architecture {arch_name!r} of {gguf_path}")
+    config = model.config
+    names = get_tensor_name_map(arch, config.num_hidden_layers)
+    tensors = {t.name: t for t in reader.tensors}
+    found = {}
+    for module_name, module in model.named_modules():
+        gguf_name = names.get_name(module_name) if hasattr(module, "in_features") else None
+        tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
+        if tensor is None or tensor.tensor_type.name not in ("Q4_0", "Q4_1"):
+            continue
+        weight = _q4_blocks(tensor.data, tensor.tensor_type.name, int(tensor.shape[0]))
+        leaf = module_name.rsplit(".", 1)[-1]
+        if arch_name == "llama" and leaf in PERMUTED:
+            weight = weight.rows(_llama_row_order(weight.shape[0], getattr(config, PERMUTED[leaf])))
+        found[module_name] = weight
+    return found

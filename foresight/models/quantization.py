@@ -1,0 +1,87 @@
+"""`--quantization`: which weights a model's linear layers are served from.
+
+- `none`: the dense weights of the model folder (a GGUF target: dequantized once at conversion).
+- `int4`: 4-bit weights in groups of 32 served by torch's int4 kernel (models/int4_linear.py). A target
+  converted from a GGUF keeps the file's own Q4_0/Q4_1 weights (other tensors, e.g. a Q8_0 embedding / LM
+  head, stay dense); any other target is quantized at load, Q4_1-style, every linear of its decoder layers.
+- `auto`: `int4` where it is the model as it ships and where it is fast: a target with 4-bit weights in its
+  GGUF, on a CPU, in bf16 (the kernel's fast path); else `none`.
+
+Only the CPU kernel is wired: int4 on a GPU device is refused, not run dequantized behind the user's back.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from .gguf_weights import BLOCK, Q4Weight, read_q4_weights
+from .int4_linear import Int4Linear
+
+log = logging.getLogger("foresight.quantization")
+
+
+def apply_quantization(model: nn.Module, choice: str, path: Path, device: str, owner: str) -> str:
+    """Serve the linears of `model` (loaded from the folder `path` onto `device`) as `choice` (auto | none |
+    int4) says; what it resolved to."""
+    from ..target_worker.loading import gguf_source
+
+    gguf = gguf_source(path)
+    dtype = next(model.parameters()).dtype
+    resolved = resolve_quantization(choice, gguf, dtype, device)
+    if choice == "auto":
+        log.info("%s: quantization auto -> %s (%s, %s, %s)", owner, resolved, device, dtype,
+                 f"GGUF {gguf.name}" if gguf is not None else "no GGUF source")
+    quantize_model(model, resolved, gguf, owner)
+    return resolved
+
+
+def resolve_quantization(choice: str, gguf: Path | None, dtype: torch.dtype, device: str) -> str:
+    """What `choice` (auto | none | int4) means for a model of `dtype` on `device` whose GGUF source is `gguf`."""
+    if choice == "int4" and not device.startswith("cpu"):
+        raise ConfigError(f"quantization: int4 runs on CPU devices only for now (got device {device!r}); "
+                          "use --quantization none")
+    if choice != "auto":
+        return choice
+    if not device.startswith("cpu") or dtype != torch.bfloat16 or gguf is None:
+        return "none"
+    return "int4" if has_q4_weights(gguf) else "none"
+
+
+def has_q4_weights(gguf: Path) -> bool:
+    from gguf import GGUFReader
+
+    return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in GGUFReader(str(gguf)).tensors)
+
+
+def quantize_model(model: nn.Module, choice: str, gguf: Path | None, owner: str) -> int:
+    """Serve `model`'s linears as `choice` says ("none" or "int4", already resolved); the number replaced.
+    With a GGUF source holding 4-bit weights they are used as they are; else the decoder layers' linears
+    are quantized here."""
+    if choice == "none":
+        return 0
+    start = time.perf_counter()
+    dtype = next(model.parameters()).dtype
+    weights = read_q4_weights(gguf, model) if gguf is not None else {}
+    source = f"the 4-bit weights of {gguf.name}" if weights else "weights quantized at load"
+    weights = weights or quantize_decoder_linears(model)
+    for name, weight in weights.items():
+        parent, leaf = name.rsplit(".", 1)
+        module = model.get_submodule(name)
+        setattr(model.get_submodule(parent), leaf, Int4Linear(weight, module.bias, dtype))
+    log.info("%s: %d linear layers served in int4 from %s (%.1f s)", owner, len(weights), source,
+             time.perf_counter() - start)
+    return len(weights)
+
+
+def quantize_decoder_linears(model: nn.Module) -> dict[str, Q4Weight]:
+    """Q4_1 of every `nn.Linear` inside the decoder layers (`model.model.layers`; embeddings and LM head stay)."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and ".layers." in name and module.in_features % BLOCK == 0:
+            found[name] = Q4Weight.quantize(module.weight)
+    return found
