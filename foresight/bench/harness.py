@@ -30,7 +30,7 @@ from ..models.quantization import apply_quantization, resolve_quantization
 from ..target_worker.loading import gguf_source, load_target, load_tokenizer, resolve_dtype, resolve_target
 from ..target_worker.runner import TargetRunner
 from . import numerics
-from .peers import HfPeers, plan_peers
+from .peers import PeerGroups, open_peers, plan_peers
 from .prompts import load_prompts
 from .report import write_chart
 
@@ -47,8 +47,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="also run the last speculative mode with nucleus verification at these thetas "
                         "(e.g. 0.8,0.9,0.95) and compare with exact verification")
     g.add_argument("--peers", default="",
-                   help="also run these peers on the same prompts, interleaved (hf: transformers' generate, "
-                        "plain and with prompt lookup, with the workers' thread count and with one thread)")
+                   help="also run these peers on the same prompts, interleaved, each with the workers' thread "
+                        "count and with one thread (comma-separated; hf: transformers' generate, plain and with "
+                        "prompt lookup; llamacpp: llama.cpp via xllamacpp on the target's GGUF, as shipped and "
+                        "rewritten as BF16)")
     g.add_argument("--refinement-ablation", default="",
                    help="also run pipelined mode with each of these self-refinement modes (e.g. none,refresh,anchor) "
                         "and report them side by side (section 'refinement')")
@@ -215,7 +217,7 @@ async def engine_session(cfg: EngineConfig, name: str):
 
 
 async def run_interleaved(engine: EngineClient, requests: list[GenerateRequest], runs: list[Run],
-                          tallies: dict[str, ModeTally], name: str, peers: HfPeers | None = None) -> dict[str, float]:
+                          tallies: dict[str, ModeTally], name: str, peers: PeerGroups | None = None) -> dict[str, float]:
     """Every run (then every peer) on every request, one after the other within a request, after a warm-up
     request of every run and peer on the first prompt, not counted: what a server pays once in its lifetime
     (a mode's first calls, auto's first trial of each strategy) is not what it costs per request. Returns each
@@ -243,7 +245,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     runs = mode_runs + nucleus_runs + refine_runs
     items = load_prompts(args.prompts, args.limit)
     planned = plan_peers(getattr(args, "peers", ""), cfg)
-    peers = HfPeers(cfg, planned) if planned else None
+    peers = open_peers(cfg, planned)
     async with engine_session(cfg, "bench") as (engine, runner, info):
         drafter = info.get("proposer", cfg.drafter)
         decoder_layers = info.get("decoder_layers")  # the depth in use, resolved by the drafter

@@ -2,9 +2,10 @@
 
 `--peers hf` adds transformers' own `generate` on the same target, dtype and device, plain and with its
 prompt-lookup decoding (`prompt_lookup_num_tokens`), each with as many CPU threads as Foresight's two
-workers use together and with one thread. A peer runs inside the bench process, after the engine's modes
-on the same prompt (the workers sit idle in a blocking poll meanwhile), so drift of a noisy machine hits
-peers and modes alike.
+workers use together and with one thread. `--peers llamacpp` adds llama.cpp (bench/llamacpp_peer.py) on the
+target's GGUF file, as shipped and rewritten as BF16, with the same two thread counts. A peer runs inside the
+bench process, after the engine's modes on the same prompt (the workers sit idle in a blocking poll
+meanwhile), so drift of a noisy machine hits peers and modes alike.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ..protocol.messages import GenerateRequest
 from ..target_worker.loading import load_target, resolve_dtype, resolve_target
 from ..target_worker.steps import eos_ids
 
-PEER_KINDS = ("hf",)
+PEER_KINDS = ("hf", "llamacpp")
 # Draft length of transformers' prompt lookup: short, as suits a small target whose verify cost grows
 # with its length (not tuned per run).
 PROMPT_LOOKUP_TOKENS = 3
@@ -26,23 +27,31 @@ PROMPT_LOOKUP_TOKENS = 3
 
 @dataclass(frozen=True)
 class Peer:
-    name: str  # e.g. "hf", "hf-pld@1t"
+    name: str  # e.g. "hf@2t", "hf-pld@1t", "llamacpp-bf16@1t"
     threads: int
-    prompt_lookup: int | None = None  # prompt_lookup_num_tokens, None = plain decoding
+    prompt_lookup: int | None = None  # hf: prompt_lookup_num_tokens, None = plain decoding
+    kind: str = "hf"  # the engine that runs it, one of PEER_KINDS
+    bf16: bool = False  # llamacpp: the GGUF rewritten as BF16 instead of as shipped
 
 
 def plan_peers(spec: str, cfg: EngineConfig) -> list[Peer]:
-    """`hf` -> plain and prompt-lookup generate, with the workers' total thread count and with one thread."""
-    kinds = [k.strip() for k in spec.split(",") if k.strip()]
+    """Each kind's peers, with the workers' total thread count and with one thread: `hf` -> plain and
+    prompt-lookup generate, `llamacpp` -> llama.cpp on the GGUF as shipped and as BF16."""
+    kinds = list(dict.fromkeys(k.strip() for k in spec.split(",") if k.strip()))
     bad = [k for k in kinds if k not in PEER_KINDS]
     if bad:
         raise ConfigError(f"peers: unknown peer(s) {bad}; choose from {', '.join(PEER_KINDS)}")
-    if not kinds:
-        return []
     total = cfg.target_threads + cfg.drafter_threads
     counts = list(dict.fromkeys([total, 1]))
-    return [Peer(f"hf{'-pld' if pld else ''}@{n}t", n, pld)
-            for pld in (None, PROMPT_LOOKUP_TOKENS) for n in counts]
+    planned = []
+    for kind in kinds:
+        if kind == "hf":
+            planned += [Peer(f"hf{'-pld' if pld else ''}@{n}t", n, pld)
+                        for pld in (None, PROMPT_LOOKUP_TOKENS) for n in counts]
+        else:
+            planned += [Peer(f"llamacpp{'-bf16' if bf16 else ''}@{n}t", n, kind="llamacpp", bf16=bf16)
+                        for bf16 in (False, True) for n in counts]
+    return planned
 
 
 @dataclass
@@ -59,6 +68,19 @@ class PeerTally:
         return {"tokens_per_s": self.output_tokens / self.wall_s if self.wall_s else None,
                 "output_tokens": self.output_tokens, "wall_s": round(self.wall_s, 3), "threads": threads,
                 "outputs_match_ar": match}
+
+
+def peer_section(peers: list[Peer], tallies: dict[str, PeerTally], ar_outputs: list[list[int]] | None,
+                 modes: dict) -> dict:
+    """peers.<name>: speed, threads, outputs_match_ar, and every mode's speed against the peer."""
+    out = {}
+    for peer in peers:
+        s = tallies[peer.name].summary(ar_outputs, peer.threads)
+        s["modes_vs_peer"] = {m: v["tokens_per_s"] / s["tokens_per_s"]
+                              if v.get("tokens_per_s") and s["tokens_per_s"] else None
+                              for m, v in modes.items()}
+        out[peer.name] = s
+    return out
 
 
 class HfPeers:
@@ -115,11 +137,36 @@ class HfPeers:
 
     def section(self, ar_outputs: list[list[int]] | None, modes: dict) -> dict:
         """peers.<name>: speed, threads, outputs_match_ar, and every mode's speed against the peer."""
-        out = {}
-        for peer in self.peers:
-            s = self.tallies[peer.name].summary(ar_outputs, peer.threads)
-            s["modes_vs_peer"] = {m: v["tokens_per_s"] / s["tokens_per_s"]
-                                  if v.get("tokens_per_s") and s["tokens_per_s"] else None
-                                  for m, v in modes.items()}
-            out[peer.name] = s
-        return out
+        return peer_section(self.peers, self.tallies, ar_outputs, modes)
+
+
+class PeerGroups:
+    """Every planned kind's peers behind one warm_up / run_all / section interface, kind after kind."""
+
+    def __init__(self, groups: list):
+        self.groups = groups  # HfPeers, LlamaCppPeers
+
+    def warm_up(self, request: GenerateRequest) -> None:
+        for group in self.groups:
+            group.warm_up(request)
+
+    def run_all(self, request: GenerateRequest) -> None:
+        for group in self.groups:
+            group.run_all(request)
+
+    def section(self, ar_outputs: list[list[int]] | None, modes: dict) -> dict:
+        return {name: s for group in self.groups for name, s in group.section(ar_outputs, modes).items()}
+
+
+def open_peers(cfg: EngineConfig, peers: list[Peer]) -> PeerGroups | None:
+    """The planned peers loaded, one group per kind; None when none is planned."""
+    groups = []
+    hf = [p for p in peers if p.kind == "hf"]
+    if hf:
+        groups.append(HfPeers(cfg, hf))
+    llama = [p for p in peers if p.kind == "llamacpp"]
+    if llama:
+        from .llamacpp_peer import LlamaCppPeers  # here: that module imports this one
+
+        groups.append(LlamaCppPeers(cfg, llama))
+    return PeerGroups(groups) if groups else None
