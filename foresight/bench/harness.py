@@ -50,7 +50,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="also run these peers on the same prompts, interleaved, each with the workers' thread "
                         "count and with one thread (comma-separated; hf: transformers' generate, plain and with "
                         "prompt lookup; llamacpp: llama.cpp via xllamacpp on the target's GGUF, as shipped and "
-                        "rewritten as BF16)")
+                        "rewritten as BF16; with --concurrency: llamacpp only, its own server, at the workers' "
+                        "thread count)")
     g.add_argument("--refinement-ablation", default="",
                    help="also run pipelined mode with each of these self-refinement modes (e.g. none,refresh,anchor) "
                         "and report them side by side (section 'refinement')")
@@ -411,7 +412,7 @@ def run_load_bench(args: argparse.Namespace, cfg: EngineConfig) -> int:
     from .load import load_bench
     from .report import write_load_chart
 
-    others = ["--" + f.replace("_", "-") for f in ("nucleus_thresholds", "peers", "refinement_ablation")
+    others = ["--" + f.replace("_", "-") for f in ("nucleus_thresholds", "refinement_ablation")
               if getattr(args, f, "")]
     if others:
         raise ConfigError(f"--concurrency runs the load benchmark alone; run {', '.join(others)} without it")

@@ -123,8 +123,12 @@ def _copy_metadata(reader, writer) -> None:
 def open_server(model: Path, threads: int):
     """A llama.cpp server on `model`: one slot, `threads` for decode and prefill, no prompt cache (each
     request pays its prefill, as the modes and the hf peers do), quiet."""
-    xl = _xllamacpp()
-    p = xl.CommonParams()
+    return _xllamacpp().Server(server_params(model, threads))
+
+
+def server_params(model: Path, threads: int):
+    """open_server's settings, for a caller that changes some before starting (bench/llamacpp_load.py)."""
+    p = _xllamacpp().CommonParams()
     p.model.path = str(model)
     p.cpuparams.n_threads = threads
     p.cpuparams_batch.n_threads = threads
@@ -134,7 +138,7 @@ def open_server(model: Path, threads: int):
     p.cache_idle_slots = False
     p.cache_ram_mib = 0
     p.verbosity = 0
-    return xl.Server(p)
+    return p
 
 
 def completion_body(request: GenerateRequest) -> dict:

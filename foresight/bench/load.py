@@ -11,6 +11,11 @@ Per level and mode: aggregate output tokens/s over the level's wall time (the me
 repeat kept), TTFT, inter-chunk latency (ITL) and TPOT percentiles (as vLLM's benchmark_serving), and the
 count of answered, rejected (429) and failed requests; per level, each mode's tokens/s over `ar`'s in the
 same repeat (`ratios_vs_ar`).
+With --peers llamacpp, llama.cpp's own HTTP server (bench/llamacpp_load.py: the GGUF as shipped and as BF16,
+at the workers' total threads, as many slots as the highest level) runs every level too, by the same
+clients, in the same rotation as the modes: its rows (`llamacpp@Nt`, `llamacpp-bf16@Nt`) sit beside the
+modes' in each level, and `ratios_vs_ar` gives its tokens/s over `ar`'s as for a mode; `settings.peers`
+says how each ran. A peer's row has no `strategy_rounds`.
 """
 from __future__ import annotations
 
@@ -346,14 +351,16 @@ async def strategy_rounds(client, base: str) -> dict[str, float]:
 
 
 async def run_level(client, base: str, items: list[dict], level: int, n_requests: int,
-                    args: argparse.Namespace, headers: dict) -> tuple[list[RequestResult], float]:
-    """`level` clients take requests 0..n_requests-1 (prompt i % len(items)) from one shared counter."""
+                    args: argparse.Namespace, headers: dict,
+                    make_body=request_body) -> tuple[list[RequestResult], float]:
+    """`level` clients take requests 0..n_requests-1 (prompt i % len(items)) from one shared counter;
+    `make_body` makes each (path, body) (a peer's differs: llamacpp_load.LoadPeers.body)."""
     results: list[RequestResult] = []
     next_index = iter(range(n_requests))
 
     async def client_loop():
         for i in next_index:  # shared iterator: each request goes to whichever client is free
-            path, body = request_body(items[i % len(items)], i % len(items), args)
+            path, body = make_body(items[i % len(items)], i % len(items), args)
             results.append(await one_request(client, base, path, body, headers))
 
     t0 = time.perf_counter()
@@ -408,6 +415,15 @@ async def mode_servers(cfg: EngineConfig, modes: list[str], out: Path, extra: li
         yield bases
 
 
+def load_peers(args: argparse.Namespace, cfg: EngineConfig, items: list[dict], levels: list[int]):
+    """The --peers to run under load (bench/llamacpp_load.py, imported here: it imports this module); an
+    empty LoadPeers without --peers."""
+    from .llamacpp_load import LoadPeers, plan_load_peers
+
+    planned = plan_load_peers(getattr(args, "peers", "") or "", cfg)
+    return LoadPeers(cfg, planned, items, max(levels), args)
+
+
 async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     try:
         import httpx
@@ -431,29 +447,38 @@ async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     extra = shlex.split(args.load_server_args)
     n_per_level = {level: requests_per_level(level, len(items), args.load_requests) for level in levels}
     headers = _auth_headers()
+    peers = load_peers(args, cfg, items, levels)
+    names = modes + peers.names  # run in one rotation
     out = Path(args.out)
     section: dict[str, dict[str, dict]] = {str(level): {} for level in levels}
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
-    runs: dict[tuple[int, str], list] = {(level, mode): [] for level in levels for mode in modes}
+    runs: dict[tuple[int, str], list] = {(level, name): [] for level in levels for name in names}
     rounds: dict[tuple[int, str], Counter] = {key: Counter() for key in runs}
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         for repeat in range(repeats):
-            async with mode_servers(cfg, modes, out, extra, client, repeat, items[0], args, headers) as bases:
+            async with (mode_servers(cfg, modes, out, extra, client, repeat, items[0], args, headers) as bases,
+                        peers.serving(client, 0, args, headers) as peer_bases):
                 for level in levels:
-                    for mode in run_order(modes, repeat):
-                        run, ran = await counted_run(client, bases[mode], items, level, n_per_level[level], args,
-                                                     headers)
+                    for mode in run_order(names, repeat):
+                        if mode in peer_bases:  # llama.cpp: its own bodies, no /metrics of rounds
+                            run, ran = await run_level(client, peer_bases[mode], items, level, n_per_level[level],
+                                                       args, headers, peers.body), {}
+                        else:
+                            run, ran = await counted_run(client, bases[mode], items, level, n_per_level[level],
+                                                         args, headers)
                         runs[level, mode].append(run)
                         rounds[level, mode].update(ran)
                         print(f"[load] {mode} @ {level} (run {repeat + 1}/{repeats}): {run_line(*run)}", flush=True)
     for level in levels:
-        for mode in modes:
+        for mode in names:
             fields = merge_runs(runs[level, mode])
-            fields["strategy_rounds"] = {s: int(n) for s, n in sorted(rounds[level, mode].items()) if n > 0}
+            if mode in modes:
+                fields["strategy_rounds"] = {s: int(n) for s, n in sorted(rounds[level, mode].items()) if n > 0}
             section[str(level)][mode] = fields
+            ran = f", rounds {fields['strategy_rounds']}" if mode in modes else ""
             print(f"[load] {mode} @ {level}: median {fields['tokens_per_s'] or 0:.1f} tok/s over "
-                  f"{fields['tokens_per_s_runs']}, rounds {fields['strategy_rounds']}", flush=True)
+                  f"{fields['tokens_per_s_runs']}{ran}", flush=True)
     return {
         "model": str(cfg.target or "SmolLM2-135M-Instruct (embedded default)"),
         "drafter": cfg.drafter,
@@ -464,7 +489,7 @@ async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
                      "servers": "one per mode, fresh for each repeat",
                      "requests_per_level": {str(k): v for k, v in n_per_level.items()},
                      "server_args": extra, "batched_steps": cfg.batched_steps,
-                     "max_num_batched_tokens": cfg.max_num_batched_tokens},
+                     "max_num_batched_tokens": cfg.max_num_batched_tokens, "peers": peers.info()},
         "concurrency": section,
         "ratios_vs_ar": ratios_vs_ar(section),
     }
