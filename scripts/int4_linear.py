@@ -51,7 +51,7 @@ def linears_alone(model) -> None:
         xs = {n: torch.randn(rows, n, dtype=torch.bfloat16) for n in {m.in_features for m in layers}}
         int4 = median_ms(lambda: [torch._weight_int4pack_mm_for_cpu(xs[m.in_features], m.packed, 32, m.scale_zero)
                                   for m in layers], 7)
-        dense = median_ms(lambda: [m.dense(xs[m.in_features]) for m in layers], 7)
+        dense = median_ms(lambda: [m.dense_forward(xs[m.in_features]) for m in layers], 7)
         print(f"{len(layers)} linears, {rows:>2} rows: int4 {int4:6.2f} ms  dense {dense:6.2f} ms  "
               f"int4 {dense / int4:.2f}x")
 

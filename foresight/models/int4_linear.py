@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..target_worker.cpu_linear import PACK_FOR_ROWS, prepacking_available
 from .gguf_weights import BLOCK, Q4Weight
 
 INT4_MAX_ROWS = 8  # rows up to which the int4 kernel is faster than the dense copy (measured above)
@@ -35,7 +36,10 @@ class Int4Linear(nn.Module):
         self.scale_zero = scale_zero.transpose(0, 1).contiguous().to(dtype)  # [groups, out, 2]
         self.packed = torch._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), INNER_K_TILES)
         self.bias = None if bias is None else bias.detach().to(dtype)
-        self.dense = _dense_linear(self.served_weight(weight.codes).to(dtype), self.bias)
+        dense = self.served_weight(weight.codes).to(dtype)  # [out, in]
+        # Only the packed copy is kept where oneDNN can pack (no plain weight: nothing else reads it).
+        self.dense_packed = prepacking_available(dtype)
+        self.dense = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_FOR_ROWS) if self.dense_packed else dense
 
     def served_weight(self, codes: torch.Tensor) -> torch.Tensor:
         """[out, in] float32: the weight the kernel multiplies by, scale * (q - 8) + zero."""
@@ -47,23 +51,18 @@ class Int4Linear(nn.Module):
         """x [..., in] -> [..., out]"""
         rows = x.reshape(-1, self.in_features)  # [rows, in]
         if rows.shape[0] > INT4_MAX_ROWS or rows.shape[0] == 0:
-            return self.dense(x)
+            return self.dense_forward(x)
         out = torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, BLOCK, self.scale_zero)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] through the dense copy."""
+        if self.dense_packed:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.dense, self.bias, "none", [], "")
+        return nn.functional.linear(x, self.dense, self.bias)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {BLOCK}"
 
-
-def _dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-    """A linear layer over `weight` [out, in] (in the serving dtype), prepacked for oneDNN where this CPU can."""
-    from ..target_worker.cpu_linear import PrepackedLinear, prepacking_available
-
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
-    linear.requires_grad_(False)
-    linear.weight.data = weight
-    if bias is not None:
-        linear.bias.data = bias
-    return PrepackedLinear(linear) if prepacking_available(weight.dtype) else linear

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from .gguf_weights import BLOCK, Q4Weight, read_q4_weights
+from .gguf_weights import BLOCK, Q4Weight, q4_tensor_count, read_q4_weights
 from .int4_linear import Int4Linear
 
 log = logging.getLogger("foresight.quantization")
@@ -49,13 +49,7 @@ def resolve_quantization(choice: str, gguf: Path | None, dtype: torch.dtype, dev
         return choice
     if not device.startswith("cpu") or dtype != torch.bfloat16 or gguf is None:
         return "none"
-    return "int4" if has_q4_weights(gguf) else "none"
-
-
-def has_q4_weights(gguf: Path) -> bool:
-    from gguf import GGUFReader
-
-    return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in GGUFReader(str(gguf)).tensors)
+    return "int4" if q4_tensor_count(gguf) else "none"
 
 
 def quantize_model(model: nn.Module, choice: str, gguf: Path | None, owner: str) -> int:
