@@ -11,6 +11,8 @@ Only the CPU kernel is wired: int4 on a GPU device is refused, not run dequantiz
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import time
 from pathlib import Path
@@ -67,9 +69,20 @@ def quantize_model(model: nn.Module, choice: str, gguf: Path | None, owner: str)
         parent, leaf = name.rsplit(".", 1)
         module = model.get_submodule(name)
         setattr(model.get_submodule(parent), leaf, Int4Linear(weight, module.bias, dtype))
+    release_freed_memory()
     log.info("%s: %d linear layers served in int4 from %s (%.1f s)", owner, len(weights), source,
              time.perf_counter() - start)
     return len(weights)
+
+
+def release_freed_memory() -> None:
+    """Hand the replaced dense weights' memory back to the OS. glibc keeps freed heap memory mapped (after
+    a 200 MB weight swap the worker's RSS stayed 265 MB above the dense target's); elsewhere a no-op."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def quantize_decoder_linears(model: nn.Module) -> dict[str, Q4Weight]:
