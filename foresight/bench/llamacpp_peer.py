@@ -34,7 +34,7 @@ from pathlib import Path
 from ..config import ConfigError, EngineConfig
 from ..protocol.messages import GenerateRequest
 from ..target_worker.loading import cache_root, gguf_source, resolve_target
-from .peers import Peer, PeerTally, peer_section
+from .peers import Peer, PeerGroup, PeerTally, peer_section
 
 XLLAMACPP_INSTALL = "pip install xllamacpp==2026.10.11549"
 # llama.cpp's samplers in the order Foresight and transformers apply them (target_worker/sampling.py);
@@ -164,7 +164,7 @@ def output_ids(response: dict, stop: set[int]) -> list[int]:
     return ids[:cut]
 
 
-class LlamaCppPeers:
+class LlamaCppPeers(PeerGroup):
     """llama.cpp for each planned peer, one request at a time (the HfPeers interface)."""
 
     def __init__(self, cfg: EngineConfig, peers: list[Peer]):
@@ -180,15 +180,6 @@ class LlamaCppPeers:
             self.load_s[peer.name] = round(time.perf_counter() - t0, 3)
         self.tallies = {p.name: PeerTally(outputs=[]) for p in peers}
 
-    def run_all(self, request: GenerateRequest) -> None:
-        for peer in self.peers:
-            self.run(peer, request)
-
-    def warm_up(self, request: GenerateRequest) -> None:
-        """Each peer once on `request`, not counted."""
-        for peer in self.peers:
-            self.run(peer, request, PeerTally(outputs=[]))
-
     def run(self, peer: Peer, request: GenerateRequest, tally: PeerTally | None = None) -> None:
         """`peer` on `request`, counted in `tally` (default: the peer's own); the time is the call alone."""
         body = completion_body(request)
@@ -198,11 +189,7 @@ class LlamaCppPeers:
         elapsed = time.perf_counter() - t0
         if "error" in response:
             raise RuntimeError(f"llama.cpp peer {peer.name}: {response['error']}")
-        tokens = output_ids(response, stop)
-        tally = tally if tally is not None else self.tallies[peer.name]
-        tally.wall_s += elapsed
-        tally.output_tokens += len(tokens)
-        tally.outputs.append(tokens)
+        self.count(peer, tally, output_ids(response, stop), elapsed)
 
     def section(self, ar_outputs: list[list[int]] | None, modes: dict) -> dict:
         """As HfPeers.section, plus each peer's server load seconds and GGUF file."""

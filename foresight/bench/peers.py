@@ -83,16 +83,14 @@ def peer_section(peers: list[Peer], tallies: dict[str, PeerTally], ar_outputs: l
     return out
 
 
-class HfPeers:
-    """transformers' generate for each planned peer, one request at a time."""
+class PeerGroup:
+    """The peers of one engine, one request at a time; a subclass runs one (`run`) and counts it (`count`)."""
 
-    def __init__(self, cfg: EngineConfig, peers: list[Peer]):
-        self.peers = peers
-        dtype = resolve_dtype(cfg.dtype, cfg.target_device)
-        self.model = load_target(resolve_target(cfg.target), dtype, cfg.target_device)
-        self.eos = eos_ids(self.model)  # the stop tokens the target worker uses
-        self.device = cfg.target_device
-        self.tallies = {p.name: PeerTally(outputs=[]) for p in peers}
+    peers: list[Peer]
+    tallies: dict[str, PeerTally]
+
+    def run(self, peer: Peer, request: GenerateRequest, tally: PeerTally | None = None) -> None:
+        raise NotImplementedError
 
     def run_all(self, request: GenerateRequest) -> None:
         for peer in self.peers:
@@ -102,6 +100,25 @@ class HfPeers:
         """Each peer once on `request`, not counted (as the modes' warm-up: first calls pay one-off costs)."""
         for peer in self.peers:
             self.run(peer, request, PeerTally(outputs=[]))
+
+    def count(self, peer: Peer, tally: PeerTally | None, tokens: list[int], elapsed: float) -> None:
+        """One request's output and time, in `tally` (default: the peer's own)."""
+        tally = tally if tally is not None else self.tallies[peer.name]
+        tally.wall_s += elapsed
+        tally.output_tokens += len(tokens)
+        tally.outputs.append(tokens)
+
+
+class HfPeers(PeerGroup):
+    """transformers' generate for each planned peer, one request at a time."""
+
+    def __init__(self, cfg: EngineConfig, peers: list[Peer]):
+        self.peers = peers
+        dtype = resolve_dtype(cfg.dtype, cfg.target_device)
+        self.model = load_target(resolve_target(cfg.target), dtype, cfg.target_device)
+        self.eos = eos_ids(self.model)  # the stop tokens the target worker uses
+        self.device = cfg.target_device
+        self.tallies = {p.name: PeerTally(outputs=[]) for p in peers}
 
     @torch.inference_mode()
     def run(self, peer: Peer, request: GenerateRequest, tally: PeerTally | None = None) -> None:
@@ -114,10 +131,7 @@ class HfPeers:
             elapsed = time.perf_counter() - t0
         finally:
             torch.set_num_threads(previous)
-        tally = tally if tally is not None else self.tallies[peer.name]
-        tally.wall_s += elapsed
-        tally.output_tokens += len(tokens)
-        tally.outputs.append(tokens)
+        self.count(peer, tally, tokens, elapsed)
 
     def _generate(self, peer: Peer, request: GenerateRequest) -> list[int]:
         s = request.sampling

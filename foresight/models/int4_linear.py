@@ -8,8 +8,8 @@ those, not the file's fp16 values (docs/numerics.md, "The int4 target").
 
 The kernel streams a quarter of a bf16 weight's bytes, which is what a decoding step is bound by, but it is
 not a GEMM: measured on a 2-core AMD EPYC with avx512_bf16, 1 thread, the 210 linears of SmolLM2-135M
-against prepacked bf16 (oneDNN): 2.3x faster at 1 row, 1.6x at 4, 1.1x at 8, 0.75x at 16, ~0.35x at 64+
-(`scripts/int4_linear.py`). So a forward over more than `INT4_MAX_ROWS` rows (batched steps of many
+against prepacked bf16 (oneDNN): 2.5x faster at 1 row, 1.9x at 4, 1.2x at 8, 0.8x at 16, 0.5x at 64
+(`scripts/int4_linear.py 1`; 2 threads: 3.1x, 2.3x, 1.7x, 1.0x, 0.6x). So a forward over more than `INT4_MAX_ROWS` rows (batched steps of many
 requests, prompt chunks) multiplies by a dense copy of the *same* weights (scale * (q - 8) + zero, rounded
 to the dtype), prepacked for oneDNN where it can be. With fp32 activations the kernel takes a slow
 reference path (25x slower than fp32 oneDNN at 1 row): int4 is only chosen automatically for bf16.
