@@ -60,8 +60,9 @@ def gguf_source(path: Path) -> Path | None:
     record = path / GGUF_SOURCE_FILE
     if record.is_file():
         source = Path(json.loads(record.read_text())["gguf"])
-        return source if source.is_file() else None
-    if path.resolve() == default_model_dir().resolve():  # converted before the record was written
+        if source.is_file():
+            return source
+    if path.resolve() == default_model_dir().resolve():  # an older conversion, or the package moved (a new venv)
         try:
             return _find_gguf()
         except ConfigError:

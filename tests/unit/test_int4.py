@@ -1,6 +1,8 @@
 """4-bit weights as a GGUF ships them, served by torch's int4 kernel: reading, packing, logits, greedy modes."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -171,3 +173,16 @@ def test_every_greedy_mode_equals_plain_greedy_on_the_int4_target():
     finally:
         engine.close()
     assert accepted > 0 and rejected > 0, (accepted, rejected)
+
+
+def test_a_converted_folder_remembers_its_gguf(tmp_path, tiny_gguf):
+    from foresight.target_worker.loading import GGUF_SOURCE_FILE, gguf_source
+
+    _, path, _ = tiny_gguf
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    assert gguf_source(folder) is None  # dense weights as shipped
+    (folder / GGUF_SOURCE_FILE).write_text(json.dumps({"gguf": str(path)}))
+    assert gguf_source(folder) == path
+    (folder / GGUF_SOURCE_FILE).write_text(json.dumps({"gguf": str(tmp_path / "gone.gguf")}))
+    assert gguf_source(folder) is None
