@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError, EngineConfig
+from ..server.openai_schemas import ChatCompletionRequest, CompletionRequest
+from ..server.serving import RequestRunner
 from .llamacpp_peer import SAMPLERS, _xllamacpp, bf16_gguf, server_params, source_gguf
 from .load import one_request, request_body
 from .peers import Peer, plan_peers
@@ -53,17 +55,14 @@ def plan_load_peers(spec: str, cfg: EngineConfig) -> list[Peer]:
 
 
 def item_prompt_ids(tokenizer, item: dict) -> list[int]:
-    """The prompt ids Foresight's server makes of a prompt item (ServingState.prompt_ids / _chat_ids)."""
+    """The prompt ids Foresight's server makes of a prompt item: server/serving.py's `prompt_ids` itself, on
+    the body the bench builds of it (harness.build_requests)."""
+    runner = RequestRunner(None, tokenizer, "llamacpp", max_model_len=1 << 30, max_prompt_chars=0)
     if "messages" in item:
-        messages = [{"role": m["role"], "content": m["content"]} for m in item["messages"]]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
-    prompt = item["prompt"]
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=False) or [tokenizer.eos_token_id]
-    return list(prompt)  # already token ids
+        body = ChatCompletionRequest(messages=item["messages"])
+    else:  # unvalidated: an empty prompt goes as the eos, as prompt_ids makes it, not as a schema error
+        body = CompletionRequest.model_construct(prompt=item["prompt"])
+    return runner.prompt_ids(body)[0]
 
 
 def slot_context(prompt_ids: list[list[int]], max_tokens: int) -> int:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ..config import ConfigError, EngineConfig
 from ..protocol.messages import GenerateRequest
-from ..target_worker.loading import cache_root, gguf_source, resolve_target
+from ..target_worker.loading import cache_root, converted_name, gguf_source, resolve_target
 from .peers import Peer, PeerGroup, PeerTally, peer_section
 
 XLLAMACPP_INSTALL = "pip install xllamacpp==2026.10.11549"
@@ -60,9 +60,8 @@ def source_gguf(cfg: EngineConfig) -> Path:
 
 
 def bf16_path(source: Path) -> Path:
-    """Where the BF16 rewrite of `source` lives: the cache folder, named by source name and size
-    (as target_worker/loading.py names its conversions)."""
-    return cache_root() / "models" / f"{source.stem}-{source.stat().st_size}.bf16.gguf"
+    """Where the BF16 rewrite of `source` lives: the cache folder, named as its conversions are."""
+    return cache_root() / "models" / f"{converted_name(source)}.bf16.gguf"
 
 
 def bf16_gguf(source: Path, log=print) -> Path:

@@ -12,6 +12,7 @@ dimensions, transformers' pairs halves); transformers undoes that when it loads 
 """
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,10 +130,11 @@ class _Cursor:
         raise ValueError(f"GGUF: unknown value type {kind}")
 
 
+@functools.lru_cache(maxsize=4)
 def gguf_index(path: Path) -> tuple[str, dict[str, TensorEntry]]:
-    """A GGUF file's architecture and tensor table, read from its header alone. (The gguf package's
-    GGUFReader parses every metadata field through numpy views: 3.4 s for the embedded default's tokenizer,
-    against ~0.1 s here.)"""
+    """A GGUF file's architecture and tensor table, read from its header alone, once per process (`auto`
+    asks whether it holds 4-bit weights, then they are read). (The gguf package's GGUFReader parses every
+    metadata field through numpy views: 3.4 s for the embedded default's tokenizer, against ~0.1 s here.)"""
     from gguf import GGMLQuantizationType
 
     with open(path, "rb") as f:
@@ -178,12 +180,13 @@ def read_q4_weights(gguf_path: Path, model) -> dict[str, Q4Weight]:
     config = model.config
     names = get_tensor_name_map(arch, config.num_hidden_layers)
     found = {}
+    file = np.memmap(gguf_path, dtype=np.uint8, mode="r")
     for module_name, module in model.named_modules():
         gguf_name = names.get_name(module_name) if hasattr(module, "in_features") else None
         entry = tensors.get(f"{gguf_name}.weight") if gguf_name else None
         if entry is None or entry.type_name not in Q4_TYPES:
             continue
-        weight = _q4_blocks(_tensor_bytes(gguf_path, entry), entry.type_name, entry.shape[0])
+        weight = _q4_blocks(_tensor_bytes(file, entry), entry.type_name, entry.shape[0])
         leaf = module_name.rsplit(".", 1)[-1]
         if arch_name == "llama" and leaf in PERMUTED:
             weight = weight.rows(_llama_row_order(weight.shape[0], getattr(config, PERMUTED[leaf])))
@@ -191,8 +194,8 @@ def read_q4_weights(gguf_path: Path, model) -> dict[str, Q4Weight]:
     return found
 
 
-def _tensor_bytes(path: Path, entry: TensorEntry) -> np.ndarray:
-    """[out, bytes per row] uint8: a 4-bit tensor's blocks, row by row."""
+def _tensor_bytes(file: np.ndarray, entry: TensorEntry) -> np.ndarray:
+    """[out, bytes per row] uint8: a 4-bit tensor's blocks, row by row, from the mapped `file`."""
     inp, out = entry.shape[0], int(np.prod(entry.shape[1:]))
     row = inp // BLOCK * BLOCK_BYTES[entry.type_name]
-    return np.fromfile(path, dtype=np.uint8, count=out * row, offset=entry.offset).reshape(out, row)
+    return file[entry.offset:entry.offset + out * row].reshape(out, row)

@@ -47,11 +47,16 @@ def resolve_target(target: str | None) -> Path:
 
 def prepare_gguf_model(gguf_path: Path, log=print) -> Path:
     """The dense safetensors folder of `gguf_path` under the cache directory, converted once."""
-    out = cache_root() / "models" / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
+    out = cache_root() / "models" / converted_name(gguf_path)
     if not (out / "config.json").is_file():
         log(f"[foresight] converting {gguf_path} -> {out} (once)", file=sys.stderr)
         _convert_gguf(gguf_path.resolve(), out)
     return out
+
+
+def converted_name(gguf_path: Path) -> str:
+    """What the cache folder calls what it makes of `gguf_path`: its name and size (a new file, a new name)."""
+    return f"{gguf_path.stem}-{gguf_path.stat().st_size}"
 
 
 def gguf_source(path: Path) -> Path | None:

@@ -33,6 +33,9 @@ def test_plan_load_peers_at_the_workers_total_threads_only():
 class FakeTokenizer:
     eos_token_id = 2
 
+    def __len__(self):
+        return 200  # the vocabulary a token-id prompt is checked against
+
     def apply_chat_template(self, messages, add_generation_prompt, tokenize):
         assert add_generation_prompt and tokenize
         return {"input_ids": [1] + [len(m["content"]) for m in messages], "attention_mask": [1] * 3}
