@@ -1,10 +1,14 @@
 """Test-only foresight proposers built on the target itself (greedy), to drive the pipelined protocol.
 
 `propose` drafts the target's own greedy continuation with every third token corrupted, so
-verification ends at varied outcomes (k, a). `foresee` then knows the outcome exactly (it runs the
+verification ends at varied outcomes (k, a); with `cuts=` a seed, the corrupted position is drawn per draft
+instead (or none is), so rounds reject every possible number of drafts, all of them and none included. `foresee` then knows the outcome exactly (it runs the
 target), so with `wrong=False` every round is a cache hit and with `wrong=True` every round a miss.
 """
 from __future__ import annotations
+
+import copy
+import random
 
 import torch
 
@@ -16,9 +20,12 @@ class OracleForesight(StatelessProposer):
     name = "oracle"
     supports_foresight = True
 
-    def __init__(self, model, wrong: bool = False):
-        self.model = model
+    def __init__(self, model, wrong: bool = False, cuts: int | None = None):
+        # A copy: in-process, the drafter's thread runs it while the target's thread runs the target, whose
+        # forwards hook its modules (a hybrid target captures its mixers' inputs for rollback).
+        self.model = copy.deepcopy(model)
         self.wrong = wrong
+        self.cuts = None if cuts is None else random.Random(cuts)
         self.vocab = model.config.vocab_size
         self.foresee_calls = 0
 
@@ -33,7 +40,10 @@ class OracleForesight(StatelessProposer):
         return Draft(self._corrupt(self.greedy(ctx.tokens, max_drafts)))
 
     def _corrupt(self, tokens: list[int]) -> list[int]:
-        return [(t + 1) % self.vocab if i % 3 == 2 else t for i, t in enumerate(tokens)]
+        if self.cuts is None:
+            return [(t + 1) % self.vocab if i % 3 == 2 else t for i, t in enumerate(tokens)]
+        cut = self.cuts.randint(0, len(tokens))  # len(tokens): nothing corrupted, the whole draft is right
+        return [(t + 1) % self.vocab if i == cut else t for i, t in enumerate(tokens)]
 
     def foresee(self, ctx, block: list[int], max_drafts: int, budget_s: float, stop=None,
                 confidence=()) -> list[CacheEntry]:

@@ -36,15 +36,23 @@ def tiny_config(arch: str):
     raise ValueError(arch)
 
 
-def tiny_model(arch: str, seed: int = 0):
+def tiny_model(arch: str, seed: int = 0, varied: bool = False):
+    """`varied=False`: the tied head sharpened, so greedy decoding falls into loops prompt lookup can predict
+    (the output repeats the last token). `varied=True`: an LM head of its own, random, so greedy text follows
+    the context (many distinct tokens, no loop) and a cache that keeps a rejected draft or loses a kept token
+    changes what comes next -- what the rollback tests need."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
-    # Sharpen the random logits so greedy decoding falls into repetitive loops that prompt lookup can
-    # actually predict: acceptance must happen for the equality test to exercise multi-token commits.
     with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
+        if varied:
+            # With tied embeddings the residual stream of a random model is mostly its input token's embedding,
+            # which the same matrix then scores highest: a head of its own breaks that echo.
+            head = model.get_output_embeddings()
+            head.weight = torch.nn.Parameter(torch.randn(head.weight.shape))
+        else:
+            model.get_output_embeddings().weight.mul_(8.0)
         for layer in model.model.layers:
             if hasattr(layer, "linear_attn"):
                 # Random A_log decays the recurrent state to nothing within a token; a slow decay makes

@@ -98,12 +98,15 @@ def test_a_prompt_chunk_in_the_forward_gives_what_it_gives_alone(llama, fed):
     assert llama.config._attn_implementation == "sdpa"
 
 
-def test_consecutive_batched_steps_reuse_the_layout_and_stay_exact(llama):
-    """Steady state writes only new positions into the last step's tensors; rollbacks, a row that leaves
-    and rows that outgrow the spare room must all keep every request's cache exact."""
-    runner = TargetRunner(llama)
+def test_consecutive_batched_steps_reuse_the_layout_and_stay_exact():
+    """Steady state writes only new positions into the last step's tensors; rollbacks of every length, a row
+    that leaves and rows that outgrow the spare room must all keep every request's cache exact: each ends
+    as a full forward over the tokens it kept (on a model whose logits follow the context)."""
+    model = tiny_model("llama", varied=True)
+    runner = TargetRunner(model)
     alone = [prefilled(runner, p) for p in PROMPTS]
     together = [prefilled(runner, p) for p in PROMPTS]
+    kept = [list(p) for p in PROMPTS]
     gen = torch.Generator().manual_seed(0)
     reused = 0
     for step in range(40):
@@ -118,8 +121,14 @@ def test_consecutive_batched_steps_reuse_the_layout_and_stay_exact(llama):
             rejected = int(torch.randint(0, len(block), (1,), generator=gen))
             runner.rollback(alone[b], rejected, want)
             runner.rollback(together[b], rejected, got)
+            kept[b] += block[:len(block) - rejected]
     assert reused >= 30, reused
     assert together[1].get_seq_length() > PROMPTS[1].__len__() + SPARE_COLUMNS  # the room was outgrown
+    for cache, tokens in zip(together, kept):
+        assert cache.get_seq_length() == len(tokens)
+        with torch.inference_mode():
+            full = model(torch.tensor([tokens + [3, 4]])).logits[0, -2:]
+        torch.testing.assert_close(runner.verify(cache, 3, [4]).logits, full, atol=1e-4, rtol=1e-4)
 
 
 def test_a_failed_batched_forward_leaves_every_cache_as_it_was(llama, monkeypatch):
