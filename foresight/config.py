@@ -17,6 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 VERIFY_LENGTHS = ("auto", "prefix", "max")
 CPU_LINEARS = ("auto", "prepacked", "plain")  # target_worker/cpu_linear.py
 QUANTIZATIONS = ("auto", "none", "int4")  # models/quantization.py
+COMPILES = ("auto", "on", "off")  # models/compiled_step.py
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -57,6 +58,9 @@ class EngineConfig:
     # Q4 weights, else quantized at load), "none" = dense, "auto" = int4 for a GGUF target with 4-bit weights
     # served in bf16 on a CPU (models/quantization.py)
     quantization: str = "auto"
+    # The target's forwards of a few tokens of one request as ahead-of-time compiled graphs (AOTInductor, CPU):
+    # "on", "off", "auto" = on for an int4 target on a CPU, where it measured faster (models/compiled_step.py)
+    compile: str = "auto"
     target_device: str = "cpu"
     drafter_device: str = "cpu"
     target_threads: int = 1
@@ -88,6 +92,7 @@ class EngineConfig:
         _check_choice("drafter_dtype", self.drafter_dtype, DTYPES)
         _check_choice("cpu_linear", self.cpu_linear, CPU_LINEARS)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        _check_choice("compile", self.compile, COMPILES)
         _check_choice("verify_length", self.verify_length, VERIFY_LENGTHS)
         if not 0.0 < self.nucleus_threshold <= 1.0:
             raise ConfigError("nucleus_threshold must lie in (0, 1]")
@@ -233,6 +238,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="the target's linear weights: int4 (4-bit groups of 32 on torch's int4 CPU kernel: a GGUF "
                         "target's own Q4 weights, else quantized at load), none (dense), auto (int4 for a GGUF "
                         "target with 4-bit weights served in bf16 on a CPU, e.g. the embedded default)")
+    g.add_argument("--compile", default=d.compile, choices=COMPILES,
+                   help="the target's steps of one request (1 to block-size tokens) as ahead-of-time compiled graphs "
+                        "(AOTInductor, CPU, full-attention targets; compiled once per token bucket at start-up, "
+                        "then loaded from the cache folder): on, off, auto (on for an int4 target on a CPU)")
     g.add_argument("--target-device", default=d.target_device)
     g.add_argument("--drafter-device", default=d.drafter_device)
     g.add_argument("--target-threads", type=int, default=d.target_threads)

@@ -257,6 +257,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
         requests = build_requests(runner, items, args)
         tallies = {r.label: ModeTally() for r in runs}
         warmup_s = await run_interleaved(engine, requests, runs, tallies, "bench", peers)
+        engine_compiled = engine.target_info().get("compiled")
     ar = tallies["ar"].outputs if "ar" in tallies else None
     summary = {r.label: tallies[r.label].summary(r.mode, ar) | {"warmup_s": warmup_s[r.label]} for r in mode_runs}
     for label, fields in numerics_probe(cfg, args, requests, mode_runs, tallies).items():
@@ -264,7 +265,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     report = {
         "model": str(cfg.target or "SmolLM2-135M-Instruct (embedded default)"),
         "drafter": drafter,
-        "machine": machine_info(cfg),
+        "machine": machine_info(cfg) | {"compiled": engine_compiled},
         "settings": {"prompts": args.prompts, "n_prompts": len(requests), "temperature": args.temperature,
                      "max_tokens": args.max_tokens, "block_size": cfg.block_size, "verification": cfg.verification,
                      "nucleus_threshold": cfg.nucleus_threshold, "modes": [r.mode for r in mode_runs],
@@ -382,6 +383,7 @@ def machine_info(cfg: EngineConfig) -> dict:
             "target_device": cfg.target_device, "drafter_device": cfg.drafter_device,
             "target_threads": cfg.target_threads, "drafter_threads": cfg.drafter_threads,
             "borrow_drafter_threads": cfg.borrow_drafter_threads, "cpu_linear": cfg.cpu_linear,
+            "compile": cfg.compile,
             "dtype": str(dtype).replace("torch.", ""), "quantization": served_quantization(cfg, dtype),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 

@@ -25,13 +25,15 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .slot_kv import SlotLayer
+
 SPARE_COLUMNS = 64  # room for the next steps' positions before the batch is laid out again
 
 
 def batchable(cache: DynamicCache) -> bool:
     """Only full-attention layers can be laid side by side this way (sliding-window and linear-attention
     layers keep state that is not a plain list of positions)."""
-    return all(type(layer) is DynamicLayer for layer in cache.layers)
+    return all(type(layer) in (DynamicLayer, SlotLayer) for layer in cache.layers)
 
 
 class BatchedKV:

@@ -48,7 +48,12 @@ class Fp32LogitHead:
         base.norm.register_forward_hook(self._capture)
 
     def _capture(self, module, args, output) -> None:
-        self._captured = args[0]
+        self.capture(args[0])
+
+    def capture(self, last: torch.Tensor) -> None:
+        """last [batch, positions, hidden]: the last layer's output, which the next logits are computed from
+        (a forward that does not run the model's final norm hands it over here)."""
+        self._captured = last
 
     def logits(self, keep: int, select: Selection | None = None) -> torch.Tensor:
         """[keep, vocab] float32 logits for the last `keep` positions of the forward that just ran

@@ -6,16 +6,21 @@ rejected tail is cropped so the cache again ends just before the new anchor.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
+from ..models.compiled_step import CompiledStep, causal_mask
 from ..protocol.messages import HiddenLayout, LinearStates
 from .batched_kv import BatchedKV, batchable
 from .linear_rollback import LinearSnapshot, LinearStateRollback
 from .logit_head import LOGIT_PRECISIONS, Fp32LogitHead, needs_fp32_head, soft_cap
 from .packed_step import PACKS_OVER, PackedStep, packed_attention
+from .slot_kv import all_slots, slot_cache
+
+log = logging.getLogger("foresight.runner")
 
 
 @dataclass(slots=True)
@@ -28,10 +33,14 @@ class ForwardResult:
 class TargetRunner:
     """Wraps a Hugging Face causal LM for per-request prefill / verify with a DynamicCache."""
 
-    def __init__(self, model, layout: HiddenLayout | None = None, logits: str = "fp32-top"):
+    def __init__(self, model, layout: HiddenLayout | None = None, logits: str = "fp32-top",
+                 compiled: CompiledStep | None = None):
         """`layout`: the target states each forward returns (`ForwardResult.hidden`), and the linear-attention
-        layers whose committed state `linear_states` copies (None: neither)."""
+        layers whose committed state `linear_states` copies (None: neither). `compiled`: graphs for forwards
+        of a few tokens of one request (models/compiled_step.py; built for this layout's layers)."""
         self.model = model
+        self.compiled = compiled
+        self.eager_forwards = 0  # with `compiled`: single-request forwards of more tokens than its buckets
         self.config = model.config
         self.device = next(model.parameters()).device
         self.layout = layout or HiddenLayout()
@@ -44,6 +53,14 @@ class TargetRunner:
         self.logit_precision = logits if needs_fp32_head(model) else "model"
         self.head = Fp32LogitHead(model) if self.logit_precision != "model" else None
         self.last_batch: BatchedKV | None = None  # the last batched forward's KV layout, reused while it fits
+
+    def compile_info(self) -> dict:
+        """What runs compiled (for the bench's report): the token buckets, seconds spent compiling at start-up and
+        packages loaded from the cache."""
+        if self.compiled is None:
+            return {"buckets": [], "compile_s": 0.0, "loaded": 0}
+        return {"buckets": list(self.compiled.buckets), "compile_s": round(self.compiled.compile_s, 1),
+                "loaded": self.compiled.loaded}
 
     @classmethod
     def for_proposer(cls, model, proposer, **kw) -> "TargetRunner":
@@ -63,6 +80,8 @@ class TargetRunner:
 
     def new_cache(self) -> DynamicCache:
         cache = DynamicCache(config=self.config)
+        if self.compiled is not None:
+            slot_cache(cache)  # compiled forwards write into buffers in place
         if self.has_sliding_layers:
             # Sliding-window layers drop old positions as they go; recording keeps what a crop of
             # rejected drafts needs to restore (rollback() trims it back to the window each round).
@@ -88,6 +107,14 @@ class TargetRunner:
                 handle.remove()
 
     def _forward(self, cache, tokens, keep_logits, snap) -> ForwardResult:
+        if self.compiled is not None and snap is None and cache.get_seq_length() > 0 and all_slots(cache):
+            bucket = self.compiled.bucket(len(tokens))
+            if bucket is not None:
+                return self._forward_compiled(cache, tokens, keep_logits, bucket)
+            self.eager_forwards += 1
+            if self.eager_forwards == 1:
+                log.warning("a forward of %d tokens of one request runs eager: the compiled steps take up to %d "
+                            "(counted in eager_forwards)", len(tokens), self.compiled.buckets[-1])
         if self.config._attn_implementation == PACKS_OVER:
             with packed_attention(self.config):  # not packed: `attention` (packed_step.py) for every layer
                 return self._forward_model(cache, tokens, keep_logits, snap)
@@ -113,6 +140,30 @@ class TargetRunner:
         if self.layout.layers:
             hidden = self.layout.concat(out.hidden_states)[0]  # [L, width]
         return ForwardResult(logits=logits, hidden=hidden, linear_snapshot=snap)
+
+    def _forward_compiled(self, cache, tokens, keep_logits, bucket) -> ForwardResult:
+        """`_forward_model` through the compiled graph of `bucket` tokens (tokens padded with their last)."""
+        past, fed = cache.get_seq_length(), len(tokens)
+        buffers = [layer.room(past + bucket) for layer in cache.layers]  # (keys, values) [1, kv_heads, C, D]
+        ids = torch.tensor([tokens + tokens[-1:] * (bucket - fed)], dtype=torch.long, device=self.device)
+        positions = torch.arange(past, past + bucket, device=self.device)[None]  # [1, bucket]
+        last, states = self.compiled.run(bucket, ids, positions, causal_mask(past, bucket).to(self.device),
+                                         [keys for keys, _ in buffers], [values for _, values in buffers])
+        for layer in cache.layers:
+            layer.hold(past + fed)  # the padding's keys stay beyond what the layer holds
+        keep = keep_logits or fed
+        last = last[:, :fed]  # [1, fed, hidden] before the final norm
+        if self.logit_precision == "fp32":
+            self.head.capture(last)
+            logits = self.head.logits(keep)
+        else:
+            low = self.model.get_output_embeddings()(self.model.model.norm(last[:, -keep:]))[0]  # [keep, vocab]
+            if self.logit_precision == "fp32-top":
+                logits = self.head.refine(low)  # the norm's hook captured its input
+            else:
+                logits = soft_cap(low, getattr(self.config, "final_logit_softcapping", None)).float()
+        hidden = states[0, :fed] if self.layout.layers else None  # [fed, width]
+        return ForwardResult(logits=logits, hidden=hidden)
 
     def prefill(self, cache: DynamicCache, prompt_ids: list[int]) -> ForwardResult:
         """Process the prompt; logits only for its last position."""

@@ -48,9 +48,11 @@ from ..protocol.messages import (
 from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
 from ..protocol.sockets import MessageSocket
 from ..protocol.transport import default_transport
+from ..models.compiled_step import compiled_step_for
 from ..models.quantization import apply_quantization
 from .cpu_linear import use_cpu_linears
-from .loading import load_target, resolve_dtype, resolve_target
+from .loading import cache_root, load_target, resolve_dtype, resolve_target
+from .packed_step import packed_attention
 from .sampling import PositionDraws
 from .load_policy import LoadPolicy
 from .local_lookup import LocalLookup
@@ -128,7 +130,8 @@ class TargetWorker:
 
     def run(self) -> None:
         self.send_to_api.send(WorkerReady(worker="target", pid=os.getpid(), info={
-            "max_model_len": self.max_model_len, "vocab_size": self.runner.vocab_size}))
+            "max_model_len": self.max_model_len, "vocab_size": self.runner.vocab_size,
+            "compiled": self.runner.compile_info()}))
         with self.heartbeats:
             self.loop()
 
@@ -535,7 +538,10 @@ def main(cfg_dict: dict, addrs_dict: dict, layout_dict: dict, strategies: list[s
         model = load_target(path, resolve_dtype(cfg.dtype, cfg.target_device), cfg.target_device)
         apply_quantization(model, cfg.quantization, path, cfg.target_device, "target")
         use_cpu_linears(model, cfg.cpu_linear, cfg.target_device, "target")
-        runner = TargetRunner(model, HiddenLayout(**layout_dict))
+        layout = HiddenLayout(**layout_dict)
+        compiled = compiled_step_for(model, cfg.compile, cfg.target_device, layout.layers, cfg.block_size,
+                                     cache_root() / "compiled", packed_attention, "target")
+        runner = TargetRunner(model, layout, compiled=compiled)
         max_len = cfg.max_model_len or model.config.max_position_embeddings
         TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),
                      tuple(auto_strategies), StepThreads.from_config(cfg)).run()

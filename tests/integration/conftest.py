@@ -96,7 +96,7 @@ def start_server(log_dir: Path, extra_args: list[str] | None = None):
     cmd = [sys.executable, "-m", SERVER_MODULE, "serve", "--port", str(port), "--host", "127.0.0.1",
            "--dtype", suite_dtype()]
     cmd += list(extra_args or []) + shlex.split(os.environ.get("FORESIGHT_TEST_SERVER_ARGS", ""))
-    timeout_s = float(os.environ.get("FORESIGHT_TEST_SERVER_TIMEOUT", "300"))
+    timeout_s = float(os.environ.get("FORESIGHT_TEST_SERVER_TIMEOUT", "900"))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     with open(log_path, "wb") as log:

@@ -22,10 +22,10 @@ from foresight.target_worker.worker import TargetWorker
 
 class InProcessEngine:
     def __init__(self, model, cfg: EngineConfig | None = None, max_model_len: int | None = None, proposer=None,
-                 foresight_to_completion: bool = False):
+                 foresight_to_completion: bool = False, compiled=None):
         """`foresight_to_completion`: foresight jobs ignore waiting messages and run every planned stage (a
         tiny model verifies so fast that the next outcome would cut most of them short, which tests that
-        count refreshes or cache hits must not depend on)."""
+        count refreshes or cache hits must not depend on). `compiled`: the target's `CompiledStep`."""
         self.cfg = cfg or EngineConfig(drafter="ngram")
         self.addrs = WorkerAddresses.fresh()
         self.ctx = zmq.Context()
@@ -35,7 +35,7 @@ class InProcessEngine:
         self.drafter = DrafterWorker(self.cfg, self.addrs, proposer, self.ctx)
         if foresight_to_completion:
             self.drafter.message_waiting = lambda: False
-        runner = TargetRunner.for_proposer(model, proposer)
+        runner = TargetRunner.for_proposer(model, proposer, compiled=compiled)
         self.target = TargetWorker(self.cfg, self.addrs, runner, self.ctx, eos_ids(model),
                                    max_model_len or model.config.max_position_embeddings,
                                    strategies=tuple(self.drafter.strategies),

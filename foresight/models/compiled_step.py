@@ -1,0 +1,283 @@
+"""A target's decoding forwards compiled ahead of time with AOTInductor: a few new tokens of one request over
+its KV cache, as one C++ graph per token count.
+
+Eager, a 1-token step of the embedded default spends as long in Python and small ops (norms, rotary embedding,
+residuals, cache bookkeeping) as in its matrix products. `torch.export` traces the model's body once per token
+bucket (1, 2, 4, 8, ... up to the block size) and `torch._inductor.aoti_compile_and_package` turns each trace into
+a shared library: weights frozen in (CPU: prepacked for oneDNN; int4: inductor's weight-only int4 micro-kernels
+when `autotune`), small ops fused, no Python and no guards per call. The shapes that change from step to step
+stay symbolic: the key columns attended (W) and the capacity of the KV buffers (C). A forward of fewer tokens than
+its bucket is padded (the padding's keys land past what the cache keeps; its outputs are not read).
+
+The graph writes the new keys/values into the request's buffers in place (`index_copy_` at the fed positions)
+and attends to their first W columns, so the buffers must already hold the request's past in columns [0, T) and
+have room for the bucket (target_worker/slot_kv.py). It returns the last decoder layer's output before the final
+norm (the runner's logit head takes it from there, fp32 included) and the hidden states the drafter reads.
+
+Compiling costs tens of seconds per bucket: packages are kept in the cache folder under a key of everything that
+shapes them (weights, dtype, layers, bucket, torch and this module's source), so a second start loads them.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger("foresight.compiled_step")
+
+# Modules whose code runs inside the traced forward (besides transformers'): a change recompiles.
+TRACED_MODULES = (__name__, "foresight.target_worker.packed_step", "foresight.target_worker.small_attention",
+                  "foresight.target_worker.cpu_linear", "foresight.models.int4_linear")
+MAX_COLUMNS = 1 << 20  # the symbolic key columns / buffer capacity may be anything up to this
+EXAMPLE_PAST = 8  # positions in the KV buffers of the example inputs the trace runs on
+
+
+class StepBody(nn.Module):
+    """What is compiled: the base model over embedded tokens at `positions`, writing into and attending over the
+    buffers."""
+
+    def __init__(self, model: nn.Module, layers: tuple[int, ...]):
+        super().__init__()
+        self.base = model.model
+        self.layers = layers
+
+    def forward(self, embeds, positions, mask, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        """embeds [1, L, hidden] (the input embeddings of the fed tokens: the table stays out of the graph);
+        positions [1, L]; mask [1, 1, L, W] bool (True: attend); keys/values per layer [1, kv_heads, C, D]
+        -> (last layer's output before the final norm [1, L, hidden], states at `layers` [1, L, width] or an
+        empty [1, L, 0])."""
+        torch._check(mask.shape[-1] <= keys[0].shape[2])
+        norm = self.base.norm
+        self.base.norm = recorder = InputRecorder(norm)  # only while tracing: the graph keeps the norm's input
+        try:
+            out = self.base(inputs_embeds=embeds, position_ids=positions, attention_mask=mask, use_cache=True,
+                            cache=BufferWrites(keys, values, positions[0], mask.shape[-1]),
+                            output_hidden_states=list(self.layers) if self.layers else None)
+        finally:
+            self.base.norm = norm
+        if self.layers:
+            states = torch.cat([out.hidden_states[i] for i in self.layers], dim=-1)
+        else:
+            states = recorder.input.new_zeros(*embeds.shape[:2], 0)
+        return recorder.input, states
+
+
+class InputRecorder(nn.Module):
+    """A module that runs `module` and keeps its input (a forward hook would change which tensor transformers
+    reports as the last hidden state)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.input = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.input = x
+        return self.module(x)
+
+
+class BufferWrites:
+    """The `cache` the model sees inside the graph: each layer's new keys/values go to columns `at` of its
+    buffers, and attention reads the first `width` columns."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], at: torch.Tensor, width):
+        self.keys, self.values, self.at, self.width = keys, values, at, width
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value_states [1, kv_heads, L, D] -> the layer's keys/values [1, kv_heads, W, D]."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(2, self.at, key_states)
+        values.index_copy_(2, self.at, value_states)
+        return keys[:, :, :self.width], values[:, :, :self.width]
+
+
+class CompiledStep:
+    """AOTInductor graphs of `model`'s body for forwards of up to max(buckets) new tokens of one request."""
+
+    def __init__(self, model: nn.Module, layers: tuple[int, ...], buckets: tuple[int, ...], cache_dir: Path,
+                 autotune: bool, attention=None):
+        """`layers`: the hidden_states indices each forward returns; `attention`: a context manager factory the
+        trace runs inside (the attention implementation the eager forwards use)."""
+        self.model = model
+        self.layers = tuple(layers)
+        self.buckets = tuple(sorted(set(buckets)))
+        self.cache_dir = cache_dir
+        self.autotune = autotune
+        self.attention = attention
+        self.graphs: dict[int, object] = {}
+        self.compile_s = 0.0  # seconds spent compiling (0 when every package came from the cache)
+        self.loaded = 0  # packages loaded from the cache
+
+    def bucket(self, tokens: int) -> int | None:
+        """The graph a forward of `tokens` runs (None: more tokens than the largest bucket)."""
+        return next((b for b in self.buckets if b >= tokens), None)
+
+    def build(self) -> None:
+        """Load each bucket's package from the cache, compiling the missing ones."""
+        key = self.fingerprint()
+        for bucket in self.buckets:
+            path = self.cache_dir / f"step-{key}-{bucket}.pt2"
+            if not path.is_file():
+                t0 = time.perf_counter()
+                self.compile(bucket, path)
+                self.compile_s += time.perf_counter() - t0
+                log.info("compiled the %d-token step in %.1f s -> %s", bucket, time.perf_counter() - t0, path)
+            else:
+                self.loaded += 1
+            self.graphs[bucket] = torch._inductor.aoti_load_package(str(path))
+
+    @torch.inference_mode()
+    def compile(self, bucket: int, path: Path) -> None:
+        """Trace and compile the `bucket`-token forward into the package `path`."""
+        import torch._inductor.config as inductor
+
+        example = self.example_inputs(bucket)
+        columns = torch.export.Dim(f"columns_{bucket}", min=bucket + 1, max=MAX_COLUMNS)
+        capacity = torch.export.Dim(f"capacity_{bucket}", min=bucket + 1, max=MAX_COLUMNS)
+        buffers = [{2: capacity}] * len(example[3])
+        with self._attention():
+            program = torch.export.export(StepBody(self.model, self.layers), example, strict=False,
+                                          dynamic_shapes=(None, None, {3: columns}, buffers, buffers))
+        options = {"freezing": True}
+        if self.autotune:
+            options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # two processes may compile at once
+        with inductor.patch(options):
+            torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
+        partial.replace(path)  # a killed compile leaves no half-written package behind
+
+    def example_inputs(self, bucket: int):
+        """Inputs of the shapes a `bucket`-token forward takes, over a past of EXAMPLE_PAST positions."""
+        config = self.model.config
+        heads = config.num_key_value_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype = next(self.model.parameters()).dtype
+        capacity = 4 * (EXAMPLE_PAST + bucket)
+        keys = [torch.zeros(1, heads, capacity, dim, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        values = [torch.zeros_like(k) for k in keys]
+        embeds = torch.zeros(1, bucket, config.hidden_size, dtype=dtype)
+        positions = torch.arange(EXAMPLE_PAST, EXAMPLE_PAST + bucket)[None]
+        mask = causal_mask(EXAMPLE_PAST, bucket)
+        return embeds, positions, mask, keys, values
+
+    def run(self, bucket: int, ids, positions, mask, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled `StepBody.forward` for `bucket` tokens `ids` [1, bucket]."""
+        embeds = self.model.get_input_embeddings()(ids)  # [1, bucket, hidden]
+        return tuple(self.graphs[bucket](embeds, positions, mask, keys, values))
+
+    def fingerprint(self) -> str:
+        """A key of everything a package depends on: the weights (sampled), dtype, layers, the code that traces
+        it and the software that compiles it."""
+        digest = hashlib.sha256()
+        digest.update(json.dumps(self.model.config.to_dict(), sort_keys=True, default=str).encode())
+        for tensor in weight_tensors(self.model):
+            flat = tensor.detach().reshape(-1)
+            digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
+            digest.update(flat[::max(1, flat.numel() // 1024)].float().numpy().tobytes())
+        import transformers
+
+        digest.update(json.dumps([self.layers, self.autotune, torch.__version__, transformers.__version__,
+                                  cpu_flags(), torch.get_num_threads()]).encode())
+        for name in TRACED_MODULES:  # the code the trace runs through (loaded modules only)
+            if name in sys.modules:
+                digest.update(inspect.getsource(sys.modules[name]).encode())
+        return digest.hexdigest()[:20]
+
+    @contextmanager
+    def _attention(self):
+        if self.attention is None:
+            yield
+        else:
+            with self.attention(self.model.config):
+                yield
+
+
+def cpu_flags() -> str:
+    """This CPU's model and instruction set: packages are compiled for the CPU they run on (-march=native)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:16] + torch.backends.cpu.get_cpu_capability()
+
+
+def causal_mask(past: int, tokens: int) -> torch.Tensor:
+    """[1, 1, tokens, past + tokens] bool: query i (at position past + i) attends to every column <= past + i."""
+    columns = torch.arange(past + tokens)
+    return (columns[None, :] <= past + torch.arange(tokens)[:, None])[None, None]
+
+
+def weight_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor the model computes with: parameters, buffers and tensors kept as plain attributes (the int4
+    layers' packed codes); oneDNN's opaque packed copies are skipped (their source weights are parameters)."""
+    tensors = []
+    for module in model.modules():
+        for value in list(module._parameters.values()) + list(module._buffers.values()) + list(vars(module).values()):
+            if isinstance(value, torch.Tensor) and not value.is_mkldnn and value.layout == torch.strided:
+                tensors.append(value)
+    return tensors
+
+
+def step_buckets(block_size: int) -> tuple[int, ...]:
+    """Token counts with a graph of their own: powers of two up to a block (a verify of `block_size` tokens)."""
+    buckets = [1]
+    while buckets[-1] < block_size:
+        buckets.append(min(2 * buckets[-1], block_size))
+    return tuple(buckets)
+
+
+def compile_refusal(model: nn.Module, device: str) -> str | None:
+    """Why `model` on `device` cannot run compiled steps (None: it can)."""
+    if device != "cpu":
+        return "compiled steps are built for CPUs only (CUDA graphs are not built yet)"
+    types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"} or any(hasattr(layer, "linear_attn") for layer in model.model.layers):
+        return f"compiled steps need full-attention layers only (this target has {sorted(types)})"
+    return None
+
+
+def wants_compile(choice: str, model: nn.Module, device: str) -> bool:
+    """What `choice` ("auto", "on", "off") means for `model` on `device`. "auto": on for an int4 target on a CPU
+    (docs/benchmark.md, "Compiled steps"); "on" where it cannot be built raises ConfigError."""
+    from ..config import ConfigError
+    from .int4_linear import Int4Linear
+
+    if choice == "off":
+        return False
+    refusal = compile_refusal(model, device)
+    if choice == "on" and refusal is not None:
+        raise ConfigError(f"compile: {refusal}")
+    int4 = any(isinstance(module, Int4Linear) for module in model.modules())
+    return refusal is None and (choice == "on" or int4)
+
+
+def compiled_step_for(model: nn.Module, choice: str, device: str, layers: tuple[int, ...], block_size: int,
+                      cache_dir: Path, attention=None, owner: str = "target") -> CompiledStep | None:
+    """The built `CompiledStep` for `model` as `choice` wants (None: eager). A build that fails logs why and
+    leaves the forwards eager: a compiler problem never stops the worker."""
+    from .int4_linear import Int4Linear
+
+    if not wants_compile(choice, model, device):
+        return None
+    int4 = any(isinstance(module, Int4Linear) for module in model.modules())
+    step = CompiledStep(model, layers, step_buckets(block_size), cache_dir, autotune=int4, attention=attention)
+    try:
+        step.build()
+    except Exception as exc:  # noqa: BLE001 -- any compiler failure means eager, with the reason logged
+        log.warning("%s: compiling the steps failed, running them eagerly: %s: %s", owner, type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "")
+        return None
+    log.info("%s: steps of %s tokens compiled (%.1f s compiling, %d of %d loaded from %s)", owner,
+             "/".join(map(str, step.buckets)), step.compile_s, step.loaded, len(step.buckets), cache_dir)
+    return step

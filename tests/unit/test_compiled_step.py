@@ -1,0 +1,150 @@
+"""Compiled steps (models/compiled_step.py, target_worker/slot_kv.py) against the eager forwards they replace, on
+tiny Llama and Qwen3 models in fp32: logits and states of every block length with rollbacks of every length, batched steps in
+between, greedy decoding in every mode, shapes beyond the buckets, the package cache and a failing compiler.
+Compiling costs ~10 s a bucket here, so one build per model (buckets 1 and 4) serves every test; targets with
+sliding-window or linear-attention layers are refused (test_what_compile_choices_mean)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from foresight.config import ConfigError, EngineConfig
+from foresight.models.compiled_step import CompiledStep, compiled_step_for, step_buckets, wants_compile
+from foresight.protocol.messages import HiddenLayout
+from foresight.target_worker.packed_step import packed_attention
+from foresight.target_worker.runner import TargetRunner
+from foresight.target_worker.slot_kv import SlotLayer
+from support.inprocess import InProcessEngine
+from support.oracle_proposer import OracleForesight
+from support.tiny_models import plain_greedy, tiny_model
+
+torch.set_num_threads(1)
+
+LAYERS = (1, 3)
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 40, 41, 3]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request):
+    return tiny_model(request.param, varied=True)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("compiled")
+
+
+@pytest.fixture(scope="module")
+def compiled(model, cache_dir):
+    step = CompiledStep(model, LAYERS, (1, 4), cache_dir, autotune=False, attention=packed_attention)
+    step.build()
+    return step
+
+
+def layout(model) -> HiddenLayout:
+    return HiddenLayout(LAYERS, model.config.hidden_size)
+
+
+def test_compiled_forwards_equal_eager_ones_through_rollbacks_and_batched_steps(model, compiled):
+    """Blocks of 1..4 tokens (2 and 3 padded to the 4-token graph), each rolled back by a random number of
+    positions, two requests, a batched (eager) step every few rounds: logits, states and the caches stay the
+    eager forwards', and end as a full forward over the kept tokens."""
+    eager, fast = TargetRunner(model, layout(model)), TargetRunner(model, layout(model), compiled=compiled)
+    prompts = [PROMPT, PROMPT[3:] + [17, 18]]
+    plain = [eager.new_cache() for _ in prompts]
+    slots = [fast.new_cache() for _ in prompts]
+    assert all(isinstance(layer, SlotLayer) for layer in slots[0].layers)
+    kept = [list(p) for p in prompts]
+    for prompt, a, b in zip(prompts, plain, slots):
+        eager.prefill(a, prompt)
+        fast.prefill(b, prompt)
+    gen = torch.Generator().manual_seed(0)
+    rejected_counts = set()
+    for step in range(24):
+        blocks = [torch.randint(1, 90, (1 + (step + row) % 4,), generator=gen).tolist() for row in range(2)]
+        if step % 5 == 4:
+            want = eager.verify_batch(plain, blocks)
+            got = fast.verify_batch(slots, blocks)
+        else:
+            want = [eager.verify(c, blk[0], blk[1:]) for c, blk in zip(plain, blocks)]
+            got = [fast.verify(c, blk[0], blk[1:]) for c, blk in zip(slots, blocks)]
+        for row, (block, w, g) in enumerate(zip(blocks, want, got)):
+            torch.testing.assert_close(g.logits, w.logits, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(g.hidden, w.hidden, atol=1e-5, rtol=1e-5)
+            rejected = int(torch.randint(0, len(block), (1,), generator=gen))
+            rejected_counts.add(rejected)
+            eager.rollback(plain[row], rejected, w)
+            fast.rollback(slots[row], rejected, g)
+            kept[row] += block[:len(block) - rejected]
+            assert slots[row].get_seq_length() == plain[row].get_seq_length() == len(kept[row])
+    assert rejected_counts == {0, 1, 2, 3} and fast.eager_forwards == 0
+    for cache, tokens in zip(slots, kept):
+        with torch.inference_mode():
+            full = model(torch.tensor([tokens + [3]])).logits[0, -1]
+        torch.testing.assert_close(fast.verify(cache, 3, []).logits[0], full, atol=1e-4, rtol=1e-4)
+
+
+def test_a_block_longer_than_the_buckets_runs_eager_and_is_counted(model, compiled):
+    eager, fast = TargetRunner(model), TargetRunner(model, compiled=compiled)
+    a, b = eager.new_cache(), fast.new_cache()
+    eager.prefill(a, PROMPT)
+    fast.prefill(b, PROMPT)
+    block = [3, 4, 5, 6, 7, 8]
+    torch.testing.assert_close(fast.verify(b, block[0], block[1:]).logits, eager.verify(a, block[0], block[1:]).logits,
+                               atol=1e-5, rtol=1e-5)
+    assert fast.eager_forwards == 1
+    torch.testing.assert_close(fast.verify(b, 9, []).logits, eager.verify(a, 9, []).logits, atol=1e-5, rtol=1e-5)
+    assert fast.eager_forwards == 1  # and the cache goes on compiled
+
+
+@pytest.mark.parametrize("mode", ["ar", "sync", "pipelined"])
+def test_greedy_decoding_on_compiled_steps_equals_plain_greedy(model, compiled, mode):
+    proposer = OracleForesight(model, cuts=2)
+    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=4), proposer=proposer,
+                             foresight_to_completion=True, compiled=compiled)
+    try:
+        got = engine.generate(PROMPT, 40, mode=mode, temperature=0.0)
+        runner = engine.target.runner
+    finally:
+        engine.close()
+    assert got["error"] is None
+    assert got["tokens"] == plain_greedy(model, PROMPT, 40, eos=model.config.eos_token_id)
+    assert runner.eager_forwards == 0
+    if mode != "ar":
+        drafted = [r for r in got["rounds"] if r.drafted]
+        assert any(0 < r.accepted < r.drafted for r in drafted) and any(r.accepted == r.drafted for r in drafted)
+
+
+def test_a_second_build_loads_the_packages(model, compiled, cache_dir):
+    again = CompiledStep(model, LAYERS, (1, 4), cache_dir, autotune=False, attention=packed_attention)
+    again.build()
+    assert again.loaded == 2 and again.compile_s == 0.0
+    other = tiny_model(model.config.model_type, seed=1, varied=True)  # other weights: another key
+    assert CompiledStep(other, LAYERS, (1, 4), cache_dir, autotune=False).fingerprint() != again.fingerprint()
+
+
+def test_a_failing_compiler_leaves_the_steps_eager(model, tmp_path, monkeypatch, caplog):
+    def broken(self, bucket, path):
+        raise RuntimeError("injected compiler failure")
+
+    monkeypatch.setattr(CompiledStep, "compile", broken)
+    with caplog.at_level(logging.WARNING, logger="foresight.compiled_step"):
+        step = compiled_step_for(model, "on", "cpu", (), 4, tmp_path, packed_attention)
+    assert step is None
+    assert "injected compiler failure" in caplog.text and "eagerly" in caplog.text
+
+
+def test_what_compile_choices_mean(model):
+    assert step_buckets(8) == (1, 2, 4, 8) and step_buckets(6) == (1, 2, 4, 6) and step_buckets(2) == (1, 2)
+    assert not wants_compile("off", model, "cpu")
+    assert wants_compile("on", model, "cpu")
+    assert not wants_compile("auto", model, "cpu")  # dense: not measured faster
+    assert not wants_compile("auto", tiny_model("gemma3"), "cpu")
+    with pytest.raises(ConfigError, match="compile"):
+        wants_compile("on", tiny_model("qwen3_5"), "cpu")  # linear-attention layers
+    with pytest.raises(ConfigError, match="compile"):
+        wants_compile("on", model, "cuda")
+    with pytest.raises(ConfigError, match="compile"):
+        EngineConfig(compile="sometimes")
