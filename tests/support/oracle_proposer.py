@@ -20,10 +20,12 @@ class OracleForesight(StatelessProposer):
     name = "oracle"
     supports_foresight = True
 
-    def __init__(self, model, wrong: bool = False, cuts: int | None = None):
+    def __init__(self, model, wrong: bool = False, cuts: int | None = None, share: bool = False):
         # A copy: in-process, the drafter's thread runs it while the target's thread runs the target, whose
-        # forwards hook its modules (a hybrid target captures its mixers' inputs for rollback).
-        self.model = copy.deepcopy(model)
+        # forwards hook its modules (a hybrid target captures its mixers' inputs for rollback, a bf16 one its
+        # final norm's). `share`: run `model` itself, for a model that cannot be copied (oneDNN's packed
+        # tensors) and that no forward hooks.
+        self.model = model if share else copy.deepcopy(model)
         self.wrong = wrong
         self.cuts = None if cuts is None else random.Random(cuts)
         self.vocab = model.config.vocab_size
