@@ -249,6 +249,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     peers = open_peers(cfg, planned)
     async with engine_session(cfg, "bench") as (engine, runner, info):
         drafter = info.get("proposer", cfg.drafter)
+        compiled = engine.target_info().get("compiled")  # what the target worker compiled at start-up
         decoder_layers = info.get("decoder_layers")  # the depth in use, resolved by the drafter
         missing = sorted({r.mode for r in runs} - {"auto"} - set(info.get("strategies", ())))
         if missing:
@@ -257,7 +258,6 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
         requests = build_requests(runner, items, args)
         tallies = {r.label: ModeTally() for r in runs}
         warmup_s = await run_interleaved(engine, requests, runs, tallies, "bench", peers)
-        engine_compiled = engine.target_info().get("compiled")
     ar = tallies["ar"].outputs if "ar" in tallies else None
     summary = {r.label: tallies[r.label].summary(r.mode, ar) | {"warmup_s": warmup_s[r.label]} for r in mode_runs}
     for label, fields in numerics_probe(cfg, args, requests, mode_runs, tallies).items():
@@ -265,7 +265,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     report = {
         "model": str(cfg.target or "SmolLM2-135M-Instruct (embedded default)"),
         "drafter": drafter,
-        "machine": machine_info(cfg) | {"compiled": engine_compiled},
+        "machine": machine_info(cfg) | {"compiled": compiled},
         "settings": {"prompts": args.prompts, "n_prompts": len(requests), "temperature": args.temperature,
                      "max_tokens": args.max_tokens, "block_size": cfg.block_size, "verification": cfg.verification,
                      "nucleus_threshold": cfg.nucleus_threshold, "modes": [r.mode for r in mode_runs],

@@ -26,11 +26,13 @@ import logging
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from .int4_linear import serves_int4
 
 log = logging.getLogger("foresight.compiled_step")
 
@@ -144,7 +146,7 @@ class CompiledStep:
         columns = torch.export.Dim(f"columns_{bucket}", min=bucket + 1, max=MAX_COLUMNS)
         capacity = torch.export.Dim(f"capacity_{bucket}", min=bucket + 1, max=MAX_COLUMNS)
         buffers = [{2: capacity}] * len(example[3])
-        with self._attention():
+        with self.attention(self.model.config) if self.attention is not None else nullcontext():
             program = torch.export.export(StepBody(self.model, self.layers), example, strict=False,
                                           dynamic_shapes=(None, None, {3: columns}, buffers, buffers))
         options = {"freezing": True}
@@ -192,15 +194,6 @@ class CompiledStep:
             if name in sys.modules:
                 digest.update(inspect.getsource(sys.modules[name]).encode())
         return digest.hexdigest()[:20]
-
-    @contextmanager
-    def _attention(self):
-        if self.attention is None:
-            yield
-        else:
-            with self.attention(self.model.config):
-                yield
-
 
 def cpu_flags() -> str:
     """This CPU's model and instruction set: packages are compiled for the CPU they run on (-march=native)."""
@@ -251,27 +244,23 @@ def wants_compile(choice: str, model: nn.Module, device: str) -> bool:
     """What `choice` ("auto", "on", "off") means for `model` on `device`. "auto": on for an int4 target on a CPU
     (docs/benchmark.md, "Compiled steps"); "on" where it cannot be built raises ConfigError."""
     from ..config import ConfigError
-    from .int4_linear import Int4Linear
 
     if choice == "off":
         return False
     refusal = compile_refusal(model, device)
     if choice == "on" and refusal is not None:
         raise ConfigError(f"compile: {refusal}")
-    int4 = any(isinstance(module, Int4Linear) for module in model.modules())
-    return refusal is None and (choice == "on" or int4)
+    return refusal is None and (choice == "on" or serves_int4(model))
 
 
 def compiled_step_for(model: nn.Module, choice: str, device: str, layers: tuple[int, ...], block_size: int,
                       cache_dir: Path, attention=None, owner: str = "target") -> CompiledStep | None:
     """The built `CompiledStep` for `model` as `choice` wants (None: eager). A build that fails logs why and
     leaves the forwards eager: a compiler problem never stops the worker."""
-    from .int4_linear import Int4Linear
-
     if not wants_compile(choice, model, device):
         return None
-    int4 = any(isinstance(module, Int4Linear) for module in model.modules())
-    step = CompiledStep(model, layers, step_buckets(block_size), cache_dir, autotune=int4, attention=attention)
+    step = CompiledStep(model, layers, step_buckets(block_size), cache_dir, autotune=serves_int4(model),
+                        attention=attention)
     try:
         step.build()
     except Exception as exc:  # noqa: BLE001 -- any compiler failure means eager, with the reason logged

@@ -66,3 +66,8 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {BLOCK}"
 
+
+
+def serves_int4(model: nn.Module) -> bool:
+    """Whether any of `model`'s linears is served from 4-bit weights."""
+    return any(isinstance(module, Int4Linear) for module in model.modules())

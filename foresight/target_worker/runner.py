@@ -18,7 +18,7 @@ from .batched_kv import BatchedKV, batchable
 from .linear_rollback import LinearSnapshot, LinearStateRollback
 from .logit_head import LOGIT_PRECISIONS, Fp32LogitHead, needs_fp32_head, soft_cap
 from .packed_step import PACKS_OVER, PackedStep, packed_attention
-from .slot_kv import all_slots, slot_cache
+from .slot_kv import slot_cache
 
 log = logging.getLogger("foresight.runner")
 
@@ -107,7 +107,7 @@ class TargetRunner:
                 handle.remove()
 
     def _forward(self, cache, tokens, keep_logits, snap) -> ForwardResult:
-        if self.compiled is not None and snap is None and cache.get_seq_length() > 0 and all_slots(cache):
+        if self.compiled is not None and snap is None and cache.get_seq_length() > 0:  # new_cache: SlotLayers
             bucket = self.compiled.bucket(len(tokens))
             if bucket is not None:
                 return self._forward_compiled(cache, tokens, keep_logits, bucket)

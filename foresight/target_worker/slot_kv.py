@@ -65,7 +65,3 @@ def slot_cache(cache: DynamicCache) -> DynamicCache:
     """`cache` with its plain full-attention layers made `SlotLayer`s (others, sliding or linear, stay)."""
     cache.layers = [SlotLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
-
-
-def all_slots(cache: DynamicCache) -> bool:
-    return all(isinstance(layer, SlotLayer) for layer in cache.layers)
