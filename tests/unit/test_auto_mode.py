@@ -231,7 +231,10 @@ def test_a_switch_to_pipelined_runs_prompt_lookup_while_the_drafter_catches_up(m
     monkeypatch.setattr(target_worker, "CATCH_UP_MIN", 4)
     model = tiny_model("llama")
     prompt = PROMPTS[1]
-    drafter = make_drafter(model, [prompt + plain_greedy(model, prompt, 40, eos=model.config.eos_token_id)])
+    # Long enough that prompt lookup (which lands whole blocks on this repetitive model) cannot finish the
+    # request before the slowed catch-up does.
+    new_tokens = 120
+    drafter = make_drafter(model, [prompt + plain_greedy(model, prompt, new_tokens, eos=model.config.eos_token_id)])
     caught_up_at: list[int] = []  # context positions in the decoder after each finished catch-up
     catch_up = drafter.catch_up
 
@@ -246,9 +249,9 @@ def test_a_switch_to_pipelined_runs_prompt_lookup_while_the_drafter_catches_up(m
     try:
         engine.target.chooser = StrategyChooser(("pipelined",))
         engine.generate(prompt, 4, mode="sync", temperature=0.0)  # the drafter's socket is connected by now
-        got = engine.generate(prompt, 40, mode="auto", temperature=0.0)
+        got = engine.generate(prompt, new_tokens, mode="auto", temperature=0.0)
         assert got["error"] is None
-        assert got["tokens"] == plain_greedy(model, prompt, 40, eos=model.config.eos_token_id)
+        assert got["tokens"] == plain_greedy(model, prompt, new_tokens, eos=model.config.eos_token_id)
         order = [stats.strategy for stats in got["rounds"]]
         first = order.index("pipelined")
         assert first > 0 and set(order[:first]) == {"ngram"} and set(order[first:]) == {"pipelined"}, order
