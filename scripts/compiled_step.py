@@ -3,10 +3,10 @@
     .venv/bin/python scripts/compiled_step.py [threads] [quantization]
 
 Loads the target as served (bf16 where the CPU has native bf16; `quantization` int4 by default, or none),
-builds its compiled steps (models/compiled_step.py: loaded from the cache folder when an earlier run compiled
-them, else compiled now, minutes), then times, interleaved over one 200-token context per runner: a 1-token step
-and verify blocks of 2, 4 and 8 positions (each rolled back). Prints medians in ms, the compile time, and the
-largest logit difference between the two runners.
+builds its compiled steps for up to `threads` threads (models/compiled_step.py: loaded from the cache folder when
+an earlier run compiled them, else compiled now, minutes), then times, at every thread count from 1 to `threads`,
+interleaved over one 200-token context per runner: a 1-token step and verify blocks of 2, 4 and 8 positions (each
+rolled back). Prints medians in ms, the compile time, and the largest logit difference between the two runners.
 """
 import statistics
 import sys
@@ -34,10 +34,11 @@ def served(quantization: str):
 
 
 def main() -> None:
-    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+    threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     model = served(sys.argv[2] if len(sys.argv) > 2 else "int4")
     t0 = time.perf_counter()
-    compiled = compiled_step_for(model, "on", "cpu", (), max(BLOCKS), cache_root() / "compiled", packed_attention)
+    compiled = compiled_step_for(model, "on", "cpu", (), max(BLOCKS), cache_root() / "compiled", packed_attention,
+                                 threads=threads)
     print(f"compiled steps ready in {time.perf_counter() - t0:.1f} s ({compiled.compile_s:.1f} s compiling, "
           f"{compiled.loaded} loaded)")
     runners = {"eager": TargetRunner(model), "compiled": TargetRunner(model, compiled=compiled)}
@@ -46,7 +47,8 @@ def main() -> None:
         caches[name] = runner.new_cache()
         runner.prefill(caches[name], [100 + (7 * i) % 3000 for i in range(200)])
     worst = 0.0
-    for n in BLOCKS:
+    for n, count in ((n, count) for count in range(1, threads + 1) for n in BLOCKS):
+        torch.set_num_threads(count)
         times = {name: [] for name in runners}
         logits = {}
         for i in range(ROUNDS):
@@ -58,7 +60,7 @@ def main() -> None:
                 caches[name].crop(-n)
         worst = max(worst, (logits["eager"] - logits["compiled"]).abs().max().item())
         ms = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
-        print(f"{n}-token forward: eager {ms['eager']:6.2f} ms  compiled {ms['compiled']:6.2f} ms  "
+        print(f"{count} thread(s), {n}-token forward: eager {ms['eager']:6.2f} ms  compiled {ms['compiled']:6.2f} ms  "
               f"compiled {ms['eager'] / ms['compiled']:.2f}x")
     print(f"largest |eager - compiled| logit: {worst:.4f}; eager forwards of the compiled runner: "
           f"{runners['compiled'].eager_forwards}")

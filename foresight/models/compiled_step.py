@@ -14,6 +14,11 @@ and attends to their first W columns, so the buffers must already hold the reque
 have room for the bucket (target_worker/slot_kv.py). It returns the last decoder layer's output before the final
 norm (the runner's logit head takes it from there, fp32 included) and the hidden states the drafter reads.
 
+The graphs are compiled for the most threads a forward may get (the target's own plus the drafter's it borrows
+while the drafter idles, target_worker/step_threads.py) with inductor's dynamic threads: each parallel region then
+takes the thread count torch is set to when it runs, so one package serves a step on one core and on two. (A
+package compiled for one thread has no parallel regions at all: borrowing a core would not speed it.)
+
 Compiling costs tens of seconds per bucket: packages are kept in the cache folder under a key of everything that
 shapes them (weights, dtype, layers, bucket, torch and this module's source), so a second start loads them.
 """
@@ -26,7 +31,7 @@ import logging
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -106,15 +111,18 @@ class CompiledStep:
     """AOTInductor graphs of `model`'s body for forwards of up to max(buckets) new tokens of one request."""
 
     def __init__(self, model: nn.Module, layers: tuple[int, ...], buckets: tuple[int, ...], cache_dir: Path,
-                 autotune: bool, attention=None):
+                 autotune: bool, attention=None, threads: int = 1):
         """`layers`: the hidden_states indices each forward returns; `attention`: a context manager factory the
-        trace runs inside (the attention implementation the eager forwards use)."""
+        trace runs inside (the attention implementation the eager forwards use); `threads`: the most intra-op
+        threads a forward runs on (the graphs' work is split for that many; fewer at run time run the same split
+        on fewer threads)."""
         self.model = model
         self.layers = tuple(layers)
         self.buckets = tuple(sorted(set(buckets)))
         self.cache_dir = cache_dir
         self.autotune = autotune
         self.attention = attention
+        self.threads = threads
         self.graphs: dict[int, object] = {}
         self.compile_s = 0.0  # seconds spent compiling (0 when every package came from the cache)
         self.loaded = 0  # packages loaded from the cache
@@ -149,12 +157,12 @@ class CompiledStep:
         with self.attention(self.model.config) if self.attention is not None else nullcontext():
             program = torch.export.export(StepBody(self.model, self.layers), example, strict=False,
                                           dynamic_shapes=(None, None, {3: columns}, buffers, buffers))
-        options = {"freezing": True}
+        options = {"freezing": True, "cpp.dynamic_threads": self.threads > 1}
         if self.autotune:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # two processes may compile at once
-        with inductor.patch(options):
+        with inductor.patch(options), intra_op_threads(self.threads):  # kernels split (and autotuned) for these
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
         partial.replace(path)  # a killed compile leaves no half-written package behind
 
@@ -189,11 +197,23 @@ class CompiledStep:
         import transformers
 
         digest.update(json.dumps([self.layers, self.autotune, torch.__version__, transformers.__version__,
-                                  cpu_flags(), torch.get_num_threads()]).encode())
+                                  cpu_flags(), self.threads]).encode())
         for name in TRACED_MODULES:  # the code the trace runs through (loaded modules only)
             if name in sys.modules:
                 digest.update(inspect.getsource(sys.modules[name]).encode())
         return digest.hexdigest()[:20]
+
+
+@contextmanager
+def intra_op_threads(threads: int):
+    """torch's intra-op thread count set to `threads` for the block, then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
 
 def cpu_flags() -> str:
     """This CPU's model and instruction set: packages are compiled for the CPU they run on (-march=native)."""
@@ -254,19 +274,21 @@ def wants_compile(choice: str, model: nn.Module, device: str) -> bool:
 
 
 def compiled_step_for(model: nn.Module, choice: str, device: str, layers: tuple[int, ...], block_size: int,
-                      cache_dir: Path, attention=None, owner: str = "target") -> CompiledStep | None:
-    """The built `CompiledStep` for `model` as `choice` wants (None: eager). A build that fails logs why and
-    leaves the forwards eager: a compiler problem never stops the worker."""
+                      cache_dir: Path, attention=None, owner: str = "target", threads: int = 1) -> CompiledStep | None:
+    """The built `CompiledStep` for `model` as `choice` wants (None: eager), for forwards of up to `threads`
+    threads. A build that fails logs why and leaves the forwards eager: a compiler problem never stops the
+    worker."""
     if not wants_compile(choice, model, device):
         return None
     step = CompiledStep(model, layers, step_buckets(block_size), cache_dir, autotune=serves_int4(model),
-                        attention=attention)
+                        attention=attention, threads=threads)
     try:
         step.build()
     except Exception as exc:  # noqa: BLE001 -- any compiler failure means eager, with the reason logged
         log.warning("%s: compiling the steps failed, running them eagerly: %s: %s", owner, type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "")
         return None
-    log.info("%s: steps of %s tokens compiled (%.1f s compiling, %d of %d loaded from %s)", owner,
-             "/".join(map(str, step.buckets)), step.compile_s, step.loaded, len(step.buckets), cache_dir)
+    log.info("%s: steps of %s tokens compiled for up to %d threads (%.1f s compiling, %d of %d loaded from %s)",
+             owner, "/".join(map(str, step.buckets)), threads, step.compile_s, step.loaded, len(step.buckets),
+             cache_dir)
     return step

@@ -56,11 +56,11 @@ class TargetRunner:
 
     def compile_info(self) -> dict:
         """What runs compiled (for the bench's report): the token buckets, seconds spent compiling at start-up and
-        packages loaded from the cache."""
+        packages loaded from the cache, and the most threads a graph's work is split for."""
         if self.compiled is None:
-            return {"buckets": [], "compile_s": 0.0, "loaded": 0}
+            return {"buckets": [], "compile_s": 0.0, "loaded": 0, "threads": 0}
         return {"buckets": list(self.compiled.buckets), "compile_s": round(self.compiled.compile_s, 1),
-                "loaded": self.compiled.loaded}
+                "loaded": self.compiled.loaded, "threads": self.compiled.threads}
 
     @classmethod
     def for_proposer(cls, model, proposer, **kw) -> "TargetRunner":

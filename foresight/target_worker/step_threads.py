@@ -57,9 +57,14 @@ class StepThreads:
         both_cpu = cfg.target_device == "cpu" and cfg.drafter_device == "cpu"
         return cls(cfg.target_threads, cfg.drafter_threads if cfg.borrow_drafter_threads and both_cpu else 0)
 
+    @property
+    def most(self) -> int:
+        """The most threads a step runs on (the target's own and the drafter's borrowed)."""
+        return self.own + self.borrowable
+
     def use(self, drafter_busy: bool) -> int:
         """Threads for the next step: the target's own while the drafter works, else both shares."""
-        n = self.own if drafter_busy else self.own + self.borrowable
+        n = self.own if drafter_busy else self.most
         if n != self.current:
             torch.set_num_threads(n)
             self.current = n

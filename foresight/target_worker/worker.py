@@ -539,9 +539,10 @@ def main(cfg_dict: dict, addrs_dict: dict, layout_dict: dict, strategies: list[s
         apply_quantization(model, cfg.quantization, path, cfg.target_device, "target")
         use_cpu_linears(model, cfg.cpu_linear, cfg.target_device, "target")
         layout = HiddenLayout(**layout_dict)
+        threads = StepThreads.from_config(cfg)
         compiled = compiled_step_for(model, cfg.compile, cfg.target_device, layout.layers, cfg.block_size,
-                                     cache_root() / "compiled", packed_attention, "target")
+                                     cache_root() / "compiled", packed_attention, "target", threads.most)
         runner = TargetRunner(model, layout, compiled=compiled)
         max_len = cfg.max_model_len or model.config.max_position_embeddings
         TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),
-                     tuple(auto_strategies), StepThreads.from_config(cfg)).run()
+                     tuple(auto_strategies), threads).run()

@@ -38,7 +38,8 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compiled(model, cache_dir):
-    step = CompiledStep(model, LAYERS, (1, 4), cache_dir, autotune=False, attention=packed_attention)
+    """Graphs split for two threads (a target that borrows the drafter's core), run at one unless a test says."""
+    step = CompiledStep(model, LAYERS, (1, 4), cache_dir, autotune=False, attention=packed_attention, threads=2)
     step.build()
     return step
 
@@ -86,6 +87,23 @@ def test_compiled_forwards_equal_eager_ones_through_rollbacks_and_batched_steps(
         torch.testing.assert_close(fast.verify(cache, 3, []).logits[0], full, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_graphs_split_for_two_threads_run_on_one_or_two(model, compiled, threads):
+    """A step that borrows the drafter's thread and one that does not run the same graphs (dynamic threads)."""
+    eager, fast = TargetRunner(model), TargetRunner(model, compiled=compiled)
+    a, b = eager.new_cache(), fast.new_cache()
+    eager.prefill(a, PROMPT)
+    fast.prefill(b, PROMPT)
+    torch.set_num_threads(threads)
+    try:
+        for block in ([3], [4, 5, 6, 7], [8, 9]):
+            torch.testing.assert_close(fast.verify(b, block[0], block[1:]).logits,
+                                       eager.verify(a, block[0], block[1:]).logits, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(1)
+    assert fast.eager_forwards == 0
+
+
 def test_a_block_longer_than_the_buckets_runs_eager_and_is_counted(model, compiled):
     eager, fast = TargetRunner(model), TargetRunner(model, compiled=compiled)
     a, b = eager.new_cache(), fast.new_cache()
@@ -118,11 +136,14 @@ def test_greedy_decoding_on_compiled_steps_equals_plain_greedy(model, compiled, 
 
 
 def test_a_second_build_loads_the_packages(model, compiled, cache_dir):
-    again = CompiledStep(model, LAYERS, (1, 4), cache_dir, autotune=False, attention=packed_attention)
+    again = CompiledStep(model, LAYERS, (1, 4), cache_dir, autotune=False, attention=packed_attention, threads=2)
     again.build()
     assert again.loaded == 2 and again.compile_s == 0.0
     other = tiny_model(model.config.model_type, seed=1, varied=True)  # other weights: another key
-    assert CompiledStep(other, LAYERS, (1, 4), cache_dir, autotune=False).fingerprint() != again.fingerprint()
+    assert CompiledStep(other, LAYERS, (1, 4), cache_dir, autotune=False, threads=2).fingerprint() \
+        != again.fingerprint()
+    serial = CompiledStep(model, LAYERS, (1, 4), cache_dir, autotune=False, threads=1)  # split for one thread
+    assert serial.fingerprint() != again.fingerprint()
 
 
 def test_a_failing_compiler_leaves_the_steps_eager(model, tmp_path, monkeypatch, caplog):

@@ -46,7 +46,7 @@ def test_step_threads_borrow_the_drafters_share_and_switch_only_on_change(monkey
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     threads = StepThreads(own=1, borrowable=2)
-    assert threads.use(drafter_busy=False) == 3 and threads.use(drafter_busy=False) == 3
+    assert threads.use(drafter_busy=False) == 3 and threads.use(drafter_busy=False) == 3 == threads.most
     assert threads.use(drafter_busy=True) == 1
     assert calls == [3, 1]
     assert StepThreads.from_config(EngineConfig(drafter_threads=2)).borrowable == 2
