@@ -42,7 +42,10 @@ def validation_error(exc: RequestValidationError):
         return error(400, "the request body is not valid JSON")
     # Drop "body" and pydantic's names for union alternatives ("list[int]", "function-after[...]").
     loc = [str(p) for p in err.get("loc", []) if p != "body" and (isinstance(p, int) or "[" not in str(p))]
-    return error(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}", loc[0] if loc else None)
+    message = err.get("msg", "invalid value")
+    if err.get("type") == "extra_forbidden":
+        message = "not a field this server accepts (the README lists the request fields)"
+    return error(400, f"{'.'.join(loc) or 'body'}: {message}", loc[0] if loc else None)
 
 
 class AdmittedStream(StreamingResponse):

@@ -1,12 +1,15 @@
 """OpenAI-compatible request bodies, validated before any model work.
 
-Every constraint names its parameter so a 400 says which field was wrong. Fields we do not
-implement are rejected (not silently ignored) unless they are at their neutral value. Text that
+Every constraint names its parameter so a 400 says which field was wrong. No field is silently ignored: the
+fields of OpenAI's requests (and the vLLM extensions clients send) that we do not implement are accepted only at
+the value that asks for nothing (`NEUTRAL_ONLY`), a few that never change the output are accepted as they are
+(`user`, `metadata`, ...), and any other field is refused with a 400 naming it. Text that
 reaches the tokenizer must be valid Unicode (JSON's "\\ud800" escapes decode to lone surrogates,
 which no tokenizer can encode), and numbers must be finite (Python's json accepts NaN and Infinity).
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
@@ -65,10 +68,48 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+# Fields we do not implement, and the values that ask for nothing (what the field means when absent): any other
+# value is a 400 naming the field.
+NEUTRAL_ONLY: dict[str, tuple] = {
+    # both routes (OpenAI)
+    "logprobs": (None, False), "logit_bias": (None, {}),
+    # both routes (vLLM's extensions)
+    "repetition_penalty": (None, 1.0), "min_tokens": (None, 0), "stop_token_ids": (None, []), "min_p": (None, 0.0),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    # chat (OpenAI)
+    "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,),
+    "verbosity": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
+    # chat (vLLM's extensions)
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "echo": (None, False),
+    # completions (OpenAI)
+    "best_of": (None, 1), "suffix": (None, ""),
+}
+CHAT_ONLY = ("top_logprobs", "response_format", "tools", "tool_choice", "functions", "function_call", "audio",
+             "modalities", "prediction", "web_search_options", "reasoning_effort", "verbosity", "store",
+             "service_tier", "add_generation_prompt", "continue_final_message", "echo", "parallel_tool_calls", "metadata",
+             "prompt_cache_key", "safety_identifier")
+COMPLETIONS_ONLY = ("best_of", "suffix")
+
+
+def is_neutral(value: Any, neutral: tuple) -> bool:
+    """Is `value` one of `neutral` (1 is 1.0, but a JSON true is not a 1, nor false a 0)?"""
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
+
+
+def refuse_unless_neutral(value: Any, field: str) -> Any:
+    if not is_neutral(value, NEUTRAL_ONLY[field]):
+        shown = " or ".join(json.dumps(n) for n in NEUTRAL_ONLY[field] if n is not None)
+        raise ValueError(f"{field} is not supported by this server (accepted only absent or {shown}, which asks "
+                         f"for nothing)")
+    return value
+
+
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: Text | None = None
     max_tokens: int | None = Field(default=None, gt=0)
@@ -84,6 +125,13 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     logprobs: Any = None
+    logit_bias: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    stop_token_ids: Any = None
+    min_p: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
     verification: Literal["exact", "nucleus"] | None = None
     nucleus_threshold: float | None = Field(default=None, gt=0.0, le=1.0)
     user: Text | None = None
@@ -107,11 +155,16 @@ class SamplingFields(BaseModel):
             raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
         return v
 
-    @field_validator("logprobs")
+    @field_validator(*(name for name in NEUTRAL_ONLY if name not in CHAT_ONLY + COMPLETIONS_ONLY), mode="before")
     @classmethod
-    def _no_logprobs(cls, v):
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
+    def _shared_neutral(cls, v, info):
+        return refuse_unless_neutral(v, info.field_name)
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v):
+        if any(s == "" for s in ([v] if isinstance(v, str) else (v or []))):
+            raise ValueError("a stop sequence must not be empty")
         return v
 
     def stop_list(self) -> list[str]:
@@ -127,6 +180,13 @@ class CompletionRequest(SamplingFields):
     prompt: Text | list[int] | list[Text]
     max_tokens: int | None = Field(default=16, gt=0)
     echo: StrictBool = False
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator(*COMPLETIONS_ONLY, mode="before")
+    @classmethod
+    def _neutral(cls, v, info):
+        return refuse_unless_neutral(v, info.field_name)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -141,7 +201,7 @@ class CompletionRequest(SamplingFields):
         if isinstance(v, list) and v and isinstance(v[0], str):
             if len(v) != 1:
                 raise ValueError("batched prompts are not supported; send one prompt per request")
-        if isinstance(v, (str, list)) and len(v) == 0:
+        if isinstance(v, (str, list)) and (len(v) == 0 or v == [""]):
             raise ValueError("prompt must not be empty")
         return v
 
@@ -156,6 +216,34 @@ class CompletionRequest(SamplingFields):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, gt=0)
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    store: Any = None
+    service_tier: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    echo: Any = None
+    # Accepted as they come: they never change what is generated (no tools are ever called; ids for the
+    # provider's logs and caches).
+    parallel_tool_calls: StrictBool | None = None
+    metadata: dict[str, Text] | None = None
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
+
+    @field_validator(*(name for name in CHAT_ONLY if name in NEUTRAL_ONLY), mode="before")
+    @classmethod
+    def _neutral(cls, v, info):
+        return refuse_unless_neutral(v, info.field_name)
 
     @model_validator(mode="after")
     def _max_tokens_alias(self):

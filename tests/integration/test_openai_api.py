@@ -69,6 +69,14 @@ BAD_REQUESTS = [
     ({"verification": "sometimes"}, "verification"),
     ({"n": 3}, "n"),
     ({"max_tokens": 100000}, "max_tokens"),
+    # once silently ignored: refused until they are built
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"logit_bias": {"42": 100}}, "logit_bias"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"min_tokens": 4}, "min_tokens"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"some_vendor_field": 1}, "some_vendor_field"),
 ]
 
 

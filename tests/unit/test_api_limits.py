@@ -131,6 +131,74 @@ def test_request_limits(field, value, message):
     run(go())
 
 
+# Fields we do not implement: each refused with a 400 naming it (the request never reaches the engine), and
+# accepted at the value that asks for nothing.
+UNSUPPORTED = [
+    ("/v1/chat/completions", "logprobs", True, False), ("/v1/chat/completions", "top_logprobs", 2, 0),
+    ("/v1/chat/completions", "logit_bias", {"42": 100}, {}),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}, {"type": "text"}),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], []),
+    ("/v1/chat/completions", "tool_choice", "required", "none"),
+    ("/v1/chat/completions", "repetition_penalty", 1.2, 1), ("/v1/chat/completions", "min_tokens", 4, 0),
+    ("/v1/chat/completions", "stop_token_ids", [7], []), ("/v1/chat/completions", "store", True, False),
+    ("/v1/chat/completions", "echo", True, False), ("/v1/chat/completions", "min_p", 0.1, 0.0),
+    ("/v1/completions", "logprobs", 0, None), ("/v1/completions", "best_of", 2, 1),
+    ("/v1/completions", "suffix", "end", ""), ("/v1/completions", "logit_bias", {"1": -100}, {}),
+]
+
+
+@pytest.mark.parametrize("path,field,asks,neutral", UNSUPPORTED)
+def test_unsupported_fields_are_refused_unless_they_ask_for_nothing(path, field, asks, neutral):
+    async def go():
+        engine = FakeEngine()
+        async with running_app(engine) as app:
+            body = CHAT if "chat" in path else COMPLETION
+            err = assert_openai_error(await call(app, "POST", path, {**body, field: asks}), 400, field)
+            assert "not supported" in err["message"] and engine.requests == []
+            assert (await call(app, "POST", path, {**body, field: neutral})).status == 200
+            assert len(engine.requests) == 1
+    run(go())
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/chat/completions", "guided_json", {"type": "object"}),  # another server's extension
+    ("/v1/chat/completions", "suffix", "x"),  # a completions field
+    ("/v1/completions", "tools", []),  # a chat field
+    ("/v1/completions", "temprature", 0),  # a typo
+])
+def test_unknown_fields_are_400_naming_them(path, field, value):
+    async def go():
+        engine = FakeEngine()
+        async with running_app(engine) as app:
+            body = CHAT if "chat" in path else COMPLETION
+            err = assert_openai_error(await call(app, "POST", path, {**body, field: value}), 400, field)
+            assert "not a field this server accepts" in err["message"] and engine.requests == []
+    run(go())
+
+
+def test_fields_that_never_change_the_output_are_accepted():
+    async def go():
+        engine = FakeEngine()
+        async with running_app(engine) as app:
+            body = {**CHAT, "user": "u1", "metadata": {"team": "a"}, "prompt_cache_key": "k", "safety_identifier": "s",
+                    "parallel_tool_calls": False, "service_tier": "auto", "n": 1, "presence_penalty": 0}
+            assert (await call(app, "POST", "/v1/chat/completions", body)).status == 200
+        return engine.requests
+    assert len(run(go())) == 1
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {**COMPLETION, "prompt": [""]}, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "stop": [""]}, "stop"),
+    ("/v1/completions", {**COMPLETION, "stop": ""}, "stop"),
+])
+def test_empty_prompts_and_stop_strings_are_400(path, body, param):
+    async def go():
+        async with running_app() as app:
+            assert_openai_error(await call(app, "POST", path, body), 400, param)
+    run(go())
+
+
 # The byte tokenizer's longest token is "<eos>": 64 tokens hold at most 64 * 5 characters.
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {**COMPLETION, "prompt": "x" * 321}, "prompt"),
