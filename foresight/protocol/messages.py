@@ -54,6 +54,12 @@ class SamplingParams:
     seed: int | None = None
     verification: str = "exact"  # "exact" | "nucleus"
     nucleus_threshold: float = 0.95
+    # Logit rules on the target's distribution (target_worker/logit_rules.py); the defaults change nothing.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias) pairs
+    min_tokens: int = 0  # stop tokens are held back until this many tokens were generated
 
 
 @message

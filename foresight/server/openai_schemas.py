@@ -18,6 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, f
 MAX_MESSAGES = 2048
 MAX_STOP = 16  # OpenAI allows 4; each is searched for in every step's new text
 MAX_STOP_CHARS = 256  # streamed text is held back by the longest stop string's length
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
 
 
 def _valid_unicode(text: str) -> str:
@@ -72,10 +73,9 @@ class ChatMessage(BaseModel):
 # value is a 400 naming the field.
 NEUTRAL_ONLY: dict[str, tuple] = {
     # both routes (OpenAI)
-    "logprobs": (None, False), "logit_bias": (None, {}),
+    "logprobs": (None, False),
     # both routes (vLLM's extensions)
-    "repetition_penalty": (None, 1.0), "min_tokens": (None, 0), "stop_token_ids": (None, []), "min_p": (None, 0.0),
-    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "min_p": (None, 0.0), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     # chat (OpenAI)
     "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"), "audio": (None,),
@@ -122,13 +122,13 @@ class SamplingFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)  # vLLM's
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    min_tokens: int = Field(default=0, ge=0, lt=2**31)  # vLLM's
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP)  # vLLM's
     logprobs: Any = None
-    logit_bias: Any = None
-    repetition_penalty: Any = None
-    min_tokens: Any = None
-    stop_token_ids: Any = None
     min_p: Any = None
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
@@ -137,12 +137,38 @@ class SamplingFields(BaseModel):
     user: Text | None = None
 
     @field_validator("max_tokens", "temperature", "top_p", "top_k", "n", "seed", "presence_penalty",
-                     "frequency_penalty", "nucleus_threshold", mode="before")
+                     "frequency_penalty", "repetition_penalty", "min_tokens", "nucleus_threshold", mode="before")
     @classmethod
     def _not_a_boolean(cls, v):
         # JSON true/false would pass pydantic's lax int/float parsing as 1/0.
         if isinstance(v, bool):
             raise ValueError("must be a number, not a boolean")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        """{"token id": bias}: ids are decimal integers, biases in [-100, 100] (OpenAI's range)."""
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (decimal integers), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {key} must lie in [-100, 100], got {bias}")
+        return v
+
+    @field_validator("logit_bias", "stop_token_ids", mode="before")
+    @classmethod
+    def _no_booleans_inside(cls, v):
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else []
+        if any(isinstance(item, bool) for item in items):
+            raise ValueError("must hold numbers, not booleans")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v):
+        if any(t < 0 for t in v or []):
+            raise ValueError("token ids must be non-negative integers")
         return v
 
     @field_validator("stop")

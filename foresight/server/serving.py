@@ -164,14 +164,26 @@ class RequestRunner:
             raise BadRequest(f"this model's maximum context length is {self.max_model_len} tokens; you requested "
                              f"{n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} to generate)",
                              "max_tokens")
+        if body.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+        bias = [(int(token), value) for token, value in (body.logit_bias or {}).items()]
+        self._check_token_ids([token for token, _ in bias], "logit_bias")
+        self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         cfg = self.engine.cfg
         temperature = 0.0 if body.temperature < GREEDY_BELOW else body.temperature
         sampling = SamplingParams(
             temperature=temperature, top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed,
             verification=body.verification or cfg.verification,
-            nucleus_threshold=body.nucleus_threshold if body.nucleus_threshold is not None else cfg.nucleus_threshold)
+            nucleus_threshold=body.nucleus_threshold if body.nucleus_threshold is not None else cfg.nucleus_threshold,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, logit_bias=bias, min_tokens=body.min_tokens)
         return GenerateRequest(req_id=req_id or f"{prompt_param[:4]}-{uuid.uuid4().hex[:16]}", prompt_ids=prompt_ids,
-                               max_tokens=max_tokens, sampling=sampling, ignore_eos=body.ignore_eos)
+                               max_tokens=max_tokens, sampling=sampling, ignore_eos=body.ignore_eos,
+                               stop_token_ids=list(body.stop_token_ids or []))
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        if any(t >= len(self.tokenizer) for t in ids):
+            raise BadRequest(f"{param}: token ids must lie in the vocabulary (below {len(self.tokenizer)})", param)
 
     # ------------------------------------------------------------------ running it
 

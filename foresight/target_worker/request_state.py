@@ -8,6 +8,7 @@ import torch
 
 from ..protocol.kinds import Mode, Strategy
 from ..protocol.messages import GenerateRequest
+from .logit_rules import LogitRules
 from .sampling import PositionDraws
 from .strategy_choice import LOCAL_STRATEGIES, RequestChoice
 
@@ -56,6 +57,7 @@ class RequestState:
     outcome_sent_at: float = 0.0  # when we asked the drafter for `round`'s block
     block_received_at: float = 0.0
     arrived_at: float = field(default_factory=time.perf_counter)
+    rules: LogitRules | None = None  # its logit bias, penalties and min_tokens (None: none)
 
     @property
     def req_id(self) -> str:

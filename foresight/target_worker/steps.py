@@ -46,6 +46,11 @@ def verify_block(logits: torch.Tensor, draft: list[int], sampling, draws: Positi
                   rule=sampling.verification, theta=sampling.nucleus_threshold, draws=block)
 
 
+def ruled(state: RequestState, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
+    """The request's logit rules (logit_rules.py) applied to its round's logits [len(draft) + 1, vocab]."""
+    return logits if state.rules is None else state.rules.apply(logits, state.output_ids, draft)
+
+
 def drafter_seed(seed: int) -> int:
     """A seed for the drafter's noise that differs from the target's draws (drafts must not correlate with them)."""
     return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**63

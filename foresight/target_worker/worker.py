@@ -60,7 +60,8 @@ from .request_state import RequestState
 from .runner import TargetRunner
 from .step_cost import StepCost
 from .step_threads import StepThreads, drafter_busy, winding_down_only
-from .steps import RoundDrafts, StepPlan, drafter_seed, eos_ids, verify_block
+from .logit_rules import LogitRules
+from .steps import RoundDrafts, StepPlan, drafter_seed, eos_ids, ruled, verify_block
 from .strategy_choice import LOCAL_STRATEGIES, StrategyChooser, request_group, round_context
 
 log = logging.getLogger("foresight.target")
@@ -243,7 +244,8 @@ class TargetWorker:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_rng))
         strategy = Strategy(mode) if mode in LOCAL_STRATEGIES else Strategy.AR  # the first round's
-        self.requests[req.req_id] = RequestState(request=req, mode=mode, draws=PositionDraws(seed), strategy=strategy)
+        self.requests[req.req_id] = RequestState(request=req, mode=mode, draws=PositionDraws(seed), strategy=strategy,
+                                                 rules=LogitRules.of(req.sampling, req.prompt_ids, self.stop_ids(req)))
 
     def on_abort(self, msg: AbortRequest) -> None:
         if msg.req_id in self.requests:
@@ -313,7 +315,7 @@ class TargetWorker:
             return
         hidden = torch.cat(state.prefill_hidden) if state.prefill_hidden else None  # [prompt, n_layers * hidden]
         state.prefill_hidden = []
-        verdict = verify_block(result.logits, [], req.sampling, state.draws, len(req.prompt_ids))
+        verdict = verify_block(ruled(state, result.logits, []), [], req.sampling, state.draws, len(req.prompt_ids))
         if state.mode not in LOCAL_STRATEGIES:
             state.drafting = self.to_drafter(StartDraft(
                 req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.draws.seed),
@@ -387,7 +389,8 @@ class TargetWorker:
         """Apply the request's verification rule to its block's logits, crop what was rejected, commit.
         `verify_s`: the forward's time; `share_s`: this request's part of it when batched (StepCost)."""
         state, draft, req = r.state, r.draft, r.state.request
-        verdict = verify_block(result.logits, draft, req.sampling, state.draws, state.cached_positions + 1)
+        verdict = verify_block(ruled(state, result.logits, draft), draft, req.sampling, state.draws,
+                               state.cached_positions + 1)
         self.runner.rollback(state.cache, len(draft) - verdict.accepted, result)
         state.last_verify_s = verify_s
         state.verify_share_s = share_s
@@ -500,8 +503,7 @@ class TargetWorker:
         return round_context(tokens, self.cfg.hybrid_min_match)
 
     def apply_stops(self, state: RequestState, tokens: list[int]) -> tuple[list[int], str | None]:
-        req = state.request
-        stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.eos_token_ids))
+        stop_ids = self.stop_ids(state.request)
         emitted: list[int] = []
         for tok in tokens:
             emitted.append(tok)
@@ -511,6 +513,10 @@ class TargetWorker:
             if state.tokens_left() <= 0 or self.context_left(state) <= 0:
                 return emitted, "length"
         return emitted, None
+
+    def stop_ids(self, req: GenerateRequest) -> set[int]:
+        """The tokens that end `req`: its stop token ids, and eos unless it ignores eos."""
+        return set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.eos_token_ids))
 
     def context_left(self, state: RequestState) -> int:
         return self.max_model_len - len(state.request.prompt_ids) - len(state.output_ids)

@@ -72,9 +72,9 @@ BAD_REQUESTS = [
     # once silently ignored: refused until they are built
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"logit_bias": {"42": 100}}, "logit_bias"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"min_tokens": 4}, "min_tokens"),
+    ({"logit_bias": {"42": 101}}, "logit_bias"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": 5}, "min_tokens"),  # more than max_tokens
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"some_vendor_field": 1}, "some_vendor_field"),
 ]
@@ -166,3 +166,21 @@ def test_tiny_temperature_is_greedy(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, temperature=1e-40, **kwargs)
                        if c.choices)
     assert streamed == tiny.choices[0].text
+
+
+def test_logit_rules_shape_the_output(client):
+    """logit_bias forces a token; a repetition penalty changes a repetitive answer (both at T=0)."""
+    from transformers import AutoTokenizer
+
+    from foresight.target_worker.loading import resolve_target
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(None))
+    base = dict(model=MODEL, max_tokens=8, temperature=0,
+                messages=[{"role": "user", "content": "Repeat after me: the cat sat on the mat, the cat sat on the mat."}])
+    plain = client.chat.completions.create(**base).choices[0].message.content
+    blue = tokenizer.encode(" blue", add_special_tokens=False)
+    assert len(blue) == 1
+    forced = client.chat.completions.create(**base, logit_bias={str(blue[0]): 100})
+    assert forced.choices[0].message.content == tokenizer.decode(blue * 8) and forced.usage.completion_tokens == 8
+    penalized = client.chat.completions.create(**base, extra_body={"repetition_penalty": 2.0})
+    assert penalized.choices[0].message.content != plain

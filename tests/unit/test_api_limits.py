@@ -135,15 +135,13 @@ def test_request_limits(field, value, message):
 # accepted at the value that asks for nothing.
 UNSUPPORTED = [
     ("/v1/chat/completions", "logprobs", True, False), ("/v1/chat/completions", "top_logprobs", 2, 0),
-    ("/v1/chat/completions", "logit_bias", {"42": 100}, {}),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}, {"type": "text"}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], []),
-    ("/v1/chat/completions", "tool_choice", "required", "none"),
-    ("/v1/chat/completions", "repetition_penalty", 1.2, 1), ("/v1/chat/completions", "min_tokens", 4, 0),
-    ("/v1/chat/completions", "stop_token_ids", [7], []), ("/v1/chat/completions", "store", True, False),
+    ("/v1/chat/completions", "tool_choice", "required", "none"), ("/v1/chat/completions", "store", True, False),
     ("/v1/chat/completions", "echo", True, False), ("/v1/chat/completions", "min_p", 0.1, 0.0),
+    ("/v1/chat/completions", "include_stop_str_in_output", True, False),
     ("/v1/completions", "logprobs", 0, None), ("/v1/completions", "best_of", 2, 1),
-    ("/v1/completions", "suffix", "end", ""), ("/v1/completions", "logit_bias", {"1": -100}, {}),
+    ("/v1/completions", "suffix", "end", ""),
 ]
 
 
@@ -157,6 +155,36 @@ def test_unsupported_fields_are_refused_unless_they_ask_for_nothing(path, field,
             assert "not supported" in err["message"] and engine.requests == []
             assert (await call(app, "POST", path, {**body, field: neutral})).status == 200
             assert len(engine.requests) == 1
+    run(go())
+
+
+def test_logit_rules_reach_the_engine():
+    async def go():
+        engine = FakeEngine()
+        async with running_app(engine) as app:
+            body = {**CHAT, "presence_penalty": -0.5, "frequency_penalty": 1.5, "repetition_penalty": 1.2,
+                    "logit_bias": {"7": -100, "12": 3.5}, "min_tokens": 4, "stop_token_ids": [9]}
+            assert (await call(app, "POST", "/v1/chat/completions", body)).status == 200
+        return engine.requests[0]
+    request = run(go())
+    s = request.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (-0.5, 1.5, 1.2, 4)
+    assert sorted(map(tuple, s.logit_bias)) == [(7, -100.0), (12, 3.5)] and request.stop_token_ids == [9]
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("logit_bias", {"7": 101}, "[-100, 100]"), ("logit_bias", {"x": 1}, "token ids"),
+    ("logit_bias", {"100000": 1}, "vocabulary"), ("logit_bias", {"5": True}, "booleans"),
+    ("stop_token_ids", [100000], "vocabulary"), ("stop_token_ids", [-1], "non-negative"),
+    ("presence_penalty", 2.5, "2"), ("frequency_penalty", -3, "-2"), ("repetition_penalty", 0, "greater than 0"),
+    ("min_tokens", 9, "max_tokens"), ("min_tokens", -1, "0"),
+])
+def test_logit_rules_out_of_range_are_400_naming_the_field(field, value, message):
+    async def go():
+        engine = FakeEngine()
+        async with running_app(engine) as app:
+            err = assert_openai_error(await call(app, "POST", "/v1/chat/completions", {**CHAT, field: value}), 400, field)
+            assert message in err["message"] and engine.requests == []
     run(go())
 
 
@@ -181,7 +209,7 @@ def test_fields_that_never_change_the_output_are_accepted():
         engine = FakeEngine()
         async with running_app(engine) as app:
             body = {**CHAT, "user": "u1", "metadata": {"team": "a"}, "prompt_cache_key": "k", "safety_identifier": "s",
-                    "parallel_tool_calls": False, "service_tier": "auto", "n": 1, "presence_penalty": 0}
+                    "parallel_tool_calls": False, "service_tier": "auto", "n": 1}
             assert (await call(app, "POST", "/v1/chat/completions", body)).status == 200
         return engine.requests
     assert len(run(go())) == 1

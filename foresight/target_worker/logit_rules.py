@@ -1,0 +1,88 @@
+"""A request's logit rules, applied to the target's logits at every position a round verifies.
+
+OpenAI's `logit_bias`, `presence_penalty` and `frequency_penalty`, and vLLM's `repetition_penalty` and
+`min_tokens`, change the target's distribution of each next token as a function of the text before it. In a
+speculative round, row i of the verify logits decides the token after draft i; it is only ever used when drafts
+1..i were accepted, so its rules are applied with those drafts counted as output (`LogitRules.apply`). The
+verification rule then sees the distribution plain decoding would have seen at that position, and speculation
+changes the speed, never the result. Drafters ignore the rules: a draft the rules make unlikely is rejected like
+any other mismatch.
+
+Semantics as vLLM's (the reference OpenAI-compatible server), in its order: `min_tokens` masks the stop tokens
+(eos, `stop_token_ids`) while fewer tokens were generated; `logit_bias` is added; `repetition_penalty` divides a
+positive logit (multiplies a negative one) of every token in the prompt or the output; `frequency_penalty` times
+a token's count in the output and `presence_penalty` if it occurs there are subtracted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..protocol.messages import SamplingParams
+
+
+@dataclass(slots=True)
+class LogitRules:
+    """The rules of one request (`of`: None when it has none)."""
+
+    bias_ids: torch.Tensor  # [n] token ids with a bias
+    bias_values: torch.Tensor  # [n] float32 biases
+    presence: float
+    frequency: float
+    repetition: float
+    min_tokens: int
+    stop_ids: torch.Tensor  # [m] what min_tokens holds back
+    in_prompt: torch.Tensor | None = None  # [vocab] bool: tokens of the prompt (for the repetition penalty)
+
+    @classmethod
+    def of(cls, sampling: SamplingParams, prompt_ids: list[int], stop_ids: list[int]) -> "LogitRules | None":
+        """The rules `sampling` asks for (`stop_ids`: the request's eos and stop token ids)."""
+        if not sampling.logit_bias and sampling.presence_penalty == 0 and sampling.frequency_penalty == 0 \
+                and sampling.repetition_penalty == 1 and sampling.min_tokens == 0:
+            return None
+        bias = sorted((int(token), float(value)) for token, value in sampling.logit_bias)
+        return cls(bias_ids=torch.tensor([t for t, _ in bias], dtype=torch.long),
+                   bias_values=torch.tensor([v for _, v in bias], dtype=torch.float32),
+                   presence=sampling.presence_penalty, frequency=sampling.frequency_penalty,
+                   repetition=sampling.repetition_penalty, min_tokens=sampling.min_tokens,
+                   stop_ids=torch.tensor(sorted(set(stop_ids)), dtype=torch.long),
+                   in_prompt=None if sampling.repetition_penalty == 1 else torch.tensor(prompt_ids, dtype=torch.long))
+
+    def apply(self, logits: torch.Tensor, output_ids: list[int], draft: list[int]) -> torch.Tensor:
+        """logits [len(draft) + 1, vocab] (row i: after `output_ids` + draft[:i]) -> the ruled logits, a new
+        tensor of the same shape."""
+        rows, vocab = logits.shape
+        out = logits.float().clone()
+        if self.min_tokens > len(output_ids):
+            held = torch.arange(rows) + len(output_ids) < self.min_tokens  # [rows]: rows that may not stop
+            out[held[:, None] & self._onehot(self.stop_ids, vocab)[None]] = float("-inf")
+        if len(self.bias_ids):
+            out[:, self.bias_ids] += self.bias_values
+        if self.repetition == 1 and self.presence == 0 and self.frequency == 0:
+            return out
+        counts = self._counts(output_ids, draft[:rows - 1], vocab)  # [rows, vocab]
+        if self.repetition != 1:
+            seen = (counts > 0) | self._prompt_mask(vocab)[None]  # [rows, vocab]
+            out = torch.where(seen, torch.where(out > 0, out / self.repetition, out * self.repetition), out)
+        return out - self.frequency * counts - self.presence * (counts > 0).float()
+
+    def _counts(self, output_ids: list[int], draft: list[int], vocab: int) -> torch.Tensor:
+        """[len(draft) + 1, vocab] float32: row i counts each token in output_ids + draft[:i]."""
+        base = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)[:vocab].float()  # [vocab]
+        steps = torch.zeros(len(draft) + 1, vocab)  # row i + 1 gains draft[i]
+        if draft:
+            steps[torch.arange(1, len(draft) + 1), torch.tensor(draft, dtype=torch.long)] = 1.0
+        return base[None] + steps.cumsum(0)
+
+    def _prompt_mask(self, vocab: int) -> torch.Tensor:
+        """[vocab] bool: the prompt's tokens (made once, on first use)."""
+        if self.in_prompt.dtype != torch.bool:
+            self.in_prompt = self._onehot(self.in_prompt, vocab)
+        return self.in_prompt
+
+    @staticmethod
+    def _onehot(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[ids[ids < vocab]] = True
+        return mask
