@@ -33,7 +33,7 @@ class LogitRules:
     repetition: float
     min_tokens: int
     stop_ids: torch.Tensor  # [m] what min_tokens holds back
-    in_prompt: torch.Tensor | None = None  # [vocab] bool: tokens of the prompt (for the repetition penalty)
+    in_prompt: torch.Tensor | None = None  # [p] the prompt's distinct tokens (for the repetition penalty)
 
     @classmethod
     def of(cls, sampling: SamplingParams, prompt_ids: list[int], stop_ids: list[int]) -> "LogitRules | None":
@@ -47,42 +47,41 @@ class LogitRules:
                    presence=sampling.presence_penalty, frequency=sampling.frequency_penalty,
                    repetition=sampling.repetition_penalty, min_tokens=sampling.min_tokens,
                    stop_ids=torch.tensor(sorted(set(stop_ids)), dtype=torch.long),
-                   in_prompt=None if sampling.repetition_penalty == 1 else torch.tensor(prompt_ids, dtype=torch.long))
+                   in_prompt=None if sampling.repetition_penalty == 1 else torch.unique(torch.tensor(prompt_ids,
+                                                                                                    dtype=torch.long)))
 
     def apply(self, logits: torch.Tensor, output_ids: list[int], draft: list[int]) -> torch.Tensor:
         """logits [len(draft) + 1, vocab] (row i: after `output_ids` + draft[:i]) -> the ruled logits, a new
-        tensor of the same shape."""
-        rows, vocab = logits.shape
+        tensor of the same shape. The penalties touch only the columns of tokens seen (the output and drafts,
+        and the prompt for the repetition penalty), not the whole vocabulary."""
+        rows = logits.shape[0]
         out = logits.float().clone()
-        if self.min_tokens > len(output_ids):
-            held = torch.arange(rows) + len(output_ids) < self.min_tokens  # [rows]: rows that may not stop
-            out[held[:, None] & self._onehot(self.stop_ids, vocab)[None]] = float("-inf")
+        held = min(rows, self.min_tokens - len(output_ids))  # the first rows may not stop yet
+        if held > 0 and len(self.stop_ids):
+            out[:held, self.stop_ids] = float("-inf")
         if len(self.bias_ids):
             out[:, self.bias_ids] += self.bias_values
         if self.repetition == 1 and self.presence == 0 and self.frequency == 0:
             return out
-        counts = self._counts(output_ids, draft[:rows - 1], vocab)  # [rows, vocab]
+        history = torch.tensor(output_ids + draft[:rows - 1], dtype=torch.long)
+        seen = history if self.in_prompt is None else torch.cat([history, self.in_prompt])
+        columns = torch.unique(seen)  # [u] sorted: every token a rule may touch
+        counts = self._counts(torch.searchsorted(columns, history), len(output_ids), rows, len(columns))  # [rows, u]
+        sub = out[:, columns]  # [rows, u]
         if self.repetition != 1:
-            seen = (counts > 0) | self._prompt_mask(vocab)[None]  # [rows, vocab]
-            out = torch.where(seen, torch.where(out > 0, out / self.repetition, out * self.repetition), out)
-        return out - self.frequency * counts - self.presence * (counts > 0).float()
-
-    def _counts(self, output_ids: list[int], draft: list[int], vocab: int) -> torch.Tensor:
-        """[len(draft) + 1, vocab] float32: row i counts each token in output_ids + draft[:i]."""
-        base = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)[:vocab].float()  # [vocab]
-        steps = torch.zeros(len(draft) + 1, vocab)  # row i + 1 gains draft[i]
-        if draft:
-            steps[torch.arange(1, len(draft) + 1), torch.tensor(draft, dtype=torch.long)] = 1.0
-        return base[None] + steps.cumsum(0)
-
-    def _prompt_mask(self, vocab: int) -> torch.Tensor:
-        """[vocab] bool: the prompt's tokens (made once, on first use)."""
-        if self.in_prompt.dtype != torch.bool:
-            self.in_prompt = self._onehot(self.in_prompt, vocab)
-        return self.in_prompt
+            repeated = counts > 0
+            if self.in_prompt is not None:
+                repeated |= torch.isin(columns, self.in_prompt)[None]
+            sub = torch.where(repeated, torch.where(sub > 0, sub / self.repetition, sub * self.repetition), sub)
+        out[:, columns] = sub - self.frequency * counts - self.presence * (counts > 0).float()
+        return out
 
     @staticmethod
-    def _onehot(ids: torch.Tensor, vocab: int) -> torch.Tensor:
-        mask = torch.zeros(vocab, dtype=torch.bool)
-        mask[ids[ids < vocab]] = True
-        return mask
+    def _counts(history: torch.Tensor, committed: int, rows: int, width: int) -> torch.Tensor:
+        """[rows, width] float32: row i counts the column indices `history`[:committed + i] (the output, then
+        the first i drafts)."""
+        base = torch.bincount(history[:committed], minlength=width).float()  # [width]
+        steps = torch.zeros(rows, width)  # row i + 1 gains draft i
+        if rows > 1:
+            steps[torch.arange(1, rows), history[committed:]] = 1.0
+        return base[None] + steps.cumsum(0)
