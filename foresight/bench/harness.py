@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pydantic
 import torch
 
 from ..config import ConfigError, EngineConfig
@@ -28,10 +29,12 @@ from ..server.serving import RequestRunner
 from ..target_worker.cpu_linear import use_cpu_linears
 from ..models.quantization import apply_quantization, resolve_quantization
 from ..target_worker.loading import gguf_source, load_target, load_tokenizer, resolve_dtype, resolve_target
+from ..target_worker.logit_rules import LogitRules
 from ..target_worker.runner import TargetRunner
+from ..target_worker.steps import eos_ids
 from . import numerics
 from .peers import PeerGroups, open_peers, plan_peers
-from .prompts import load_prompts
+from .prompts import load_prompts, request_fields
 from .report import write_chart
 
 
@@ -41,6 +44,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--modes", default="ar,sync", help="comma-separated subset of " + ",".join(Mode.values()))
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--request-fields", default="",
+                   help="more request fields for every prompt, as a JSON object validated as the API validates it, "
+                        "e.g. '{\"presence_penalty\": 0.5, \"logit_bias\": {\"198\": -100}}' (the modes apply them; "
+                        "the peers do not)")
     g.add_argument("--limit", type=int, default=None)
     g.add_argument("--out", default="bench-report.json")
     g.add_argument("--nucleus-thresholds", default="",
@@ -153,10 +160,14 @@ async def run_one(engine: EngineClient, request: GenerateRequest, tally: ModeTal
 
 def build_requests(runner: RequestRunner, items: list[dict], args: argparse.Namespace) -> list[GenerateRequest]:
     requests = []
+    fields = request_fields(args.request_fields)
     for i, item in enumerate(items):
-        common = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed + i)
-        body = ChatCompletionRequest(messages=item["messages"], **common) if "messages" in item \
-            else CompletionRequest(prompt=item["prompt"], **common)
+        common = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed + i, **fields}
+        try:
+            body = ChatCompletionRequest(messages=item["messages"], **common) if "messages" in item \
+                else CompletionRequest(prompt=item["prompt"], **common)
+        except pydantic.ValidationError as exc:
+            raise SystemExit(f"--request-fields: {exc}") from None
         prompt_ids, param = runner.prompt_ids(body)
         requests.append(runner.build(body, prompt_ids, param))
     return requests
@@ -267,6 +278,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
         "drafter": drafter,
         "machine": machine_info(cfg) | {"compiled": compiled},
         "settings": {"prompts": args.prompts, "n_prompts": len(requests), "temperature": args.temperature,
+                     "request_fields": request_fields(args.request_fields),
                      "max_tokens": args.max_tokens, "block_size": cfg.block_size, "verification": cfg.verification,
                      "nucleus_threshold": cfg.nucleus_threshold, "modes": [r.mode for r in mode_runs],
                      "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max, "refinement": cfg.refinement,
@@ -305,8 +317,9 @@ def numerics_probe(cfg: EngineConfig, args: argparse.Namespace, requests: list[G
         use_cpu_linears(model, cfg.cpu_linear, cfg.target_device, "numerics probe")
         runner = TargetRunner(model)
         prompts = [r.prompt_ids for r in requests]
+        rules = [LogitRules.of(r.sampling, r.prompt_ids, eos_ids(model) + r.stop_token_ids) for r in requests]
         for r in differing:
-            found = numerics.probe(runner, dtype, prompts, tallies["ar"].outputs, tallies[r.label].outputs)
+            found = numerics.probe(runner, dtype, prompts, tallies["ar"].outputs, tallies[r.label].outputs, rules)
             result[r.label] = numerics.summarise(found)
     return result
 

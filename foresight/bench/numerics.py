@@ -8,13 +8,17 @@ tokens are that close, the two modes may legitimately choose differently. Everyw
 is a bug.
 
 For each mismatch the probe replays the `ar` run (prefill, then 1-token steps along the ar output, the
-shapes `ar` used) up to the first divergence and reads the target's top-2 logit margin there.
+shapes `ar` used) up to the first divergence and reads the target's top-2 logit margin there, after the
+request's logit rules (penalties, bias, min_tokens) where it has any.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from ..target_worker.logit_rules import LogitRules
+from ..target_worker.steps import ruled_logits
 
 # A margin below NEAR_TIE_EPS x eps(dtype) x (the row's largest |logit|) is a near-tie (eps =
 # torch.finfo(dtype).eps). The scale is the row's dynamic range, not the top logit: rounding noise in the
@@ -56,27 +60,37 @@ class Divergence:
 
 
 @torch.inference_mode()
-def replay_margin(runner, prompt_ids: list[int], ar_tokens: list[int], position: int) -> tuple[float, float, bool]:
-    """(margin, largest |logit|, faithful) of the ar run at output `position`, replayed with 1-token steps."""
+def replay_margin(runner, prompt_ids: list[int], ar_tokens: list[int], position: int,
+                  rules: LogitRules | None = None) -> tuple[float, float, bool]:
+    """(margin, largest finite |logit|, faithful) of the ar run at output `position`, replayed with 1-token
+    steps (after `rules`, the request's logit rules, if any)."""
     cache = runner.new_cache()
-    logits = runner.prefill(cache, prompt_ids).logits[-1]  # [vocab]
+    logits = ruled_row(runner, runner.prefill(cache, prompt_ids), rules, [])  # [vocab]
     faithful = True
-    for token in ar_tokens[:position]:
+    for i, token in enumerate(ar_tokens[:position]):
         faithful &= int(logits.argmax()) == token
-        logits = runner.forward(cache, [token]).logits[-1]
-    top = torch.topk(logits.float(), 2).values
-    return float(top[0] - top[1]), float(logits.float().abs().max()), faithful
+        logits = ruled_row(runner, runner.forward(cache, [token]), rules, ar_tokens[:i + 1])
+    finite = logits.float()[logits.isfinite()]  # min_tokens masks the stop tokens with -inf
+    top = torch.topk(finite, 2).values
+    return float(top[0] - top[1]), float(finite.abs().max()), faithful
+
+
+def ruled_row(runner, result, rules: LogitRules | None, output_ids: list[int]) -> torch.Tensor:
+    """The last row of a forward's logits [vocab], after the request's rules as of `output_ids`."""
+    if rules is None:
+        return result.logits[-1]
+    return ruled_logits(rules, output_ids, result, [], runner.head)[-1]
 
 
 def probe(runner, dtype: torch.dtype, prompts: list[list[int]], ar_outputs: list[list[int]],
-          outputs: list[list[int]]) -> list[Divergence]:
-    """One Divergence per prompt whose output differs from ar's."""
+          outputs: list[list[int]], rules: list[LogitRules | None] | None = None) -> list[Divergence]:
+    """One Divergence per prompt whose output differs from ar's (`rules`: each prompt's logit rules)."""
     found = []
     for i, (prompt, ar, out) in enumerate(zip(prompts, ar_outputs, outputs)):
         pos = first_divergence(ar, out)
         if pos is None:
             continue
-        margin, scale, faithful = replay_margin(runner, prompt, ar, pos)
+        margin, scale, faithful = replay_margin(runner, prompt, ar, pos, rules[i] if rules else None)
         found.append(Divergence(i, pos, margin, near_tie_threshold(dtype, scale), faithful))
     return found
 

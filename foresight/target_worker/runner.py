@@ -28,6 +28,9 @@ class ForwardResult:
     logits: torch.Tensor  # [positions, vocab] float32, one row per fed position
     hidden: torch.Tensor | None  # [positions, layout.width] states at the layout's layers
     linear_snapshot: LinearSnapshot | None = None  # hybrid targets: what rollback() needs
+    # [positions, hidden] fp32 final-norm output behind the logits of a low-precision target whose logits were
+    # refined near each row's maximum ("fp32-top"): logit rules that move the maximum refine again from it
+    head_input: torch.Tensor | None = None
 
 
 class TargetRunner:
@@ -123,6 +126,7 @@ class TargetRunner:
     def _forward_model(self, cache, tokens, keep_logits, snap) -> ForwardResult:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, L]
         keep = keep_logits or len(tokens)
+        head_input = None
         kwargs = {}
         if self.layout.layers:
             kwargs["output_hidden_states"] = list(self.layout.layers)
@@ -132,14 +136,15 @@ class TargetRunner:
             logits = self.head.logits(keep)  # [keep, vocab] float32
         elif self.logit_precision == "fp32-top":
             out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep, **kwargs)
-            logits = self.head.refine(out.logits[0])  # [keep, vocab] float32
+            head_input = self.head.normed(keep)  # [keep, hidden]
+            logits = self.head.refine_normed(out.logits[0], head_input)  # [keep, vocab] float32
         else:
             out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep, **kwargs)
             logits = out.logits[0].float()  # [keep, vocab]
         hidden = None
         if self.layout.layers:
             hidden = self.layout.concat(out.hidden_states)[0]  # [L, width]
-        return ForwardResult(logits=logits, hidden=hidden, linear_snapshot=snap)
+        return ForwardResult(logits=logits, hidden=hidden, linear_snapshot=snap, head_input=head_input)
 
     def _forward_compiled(self, cache, tokens, keep_logits, bucket) -> ForwardResult:
         """`_forward_model` through the compiled graph of `bucket` tokens (tokens padded with their last)."""
@@ -153,17 +158,19 @@ class TargetRunner:
             layer.hold(past + fed)  # the padding's keys stay beyond what the layer holds
         keep = keep_logits or fed
         last = last[:, :fed]  # [1, fed, hidden] before the final norm
+        head_input = None
         if self.logit_precision == "fp32":
             self.head.capture(last)
             logits = self.head.logits(keep)
         else:
             low = self.model.get_output_embeddings()(self.model.model.norm(last[:, -keep:]))[0]  # [keep, vocab]
             if self.logit_precision == "fp32-top":
-                logits = self.head.refine(low)  # the norm's hook captured its input
+                head_input = self.head.normed(keep)  # the norm's hook captured its input
+                logits = self.head.refine_normed(low, head_input)
             else:
                 logits = soft_cap(low, getattr(self.config, "final_logit_softcapping", None)).float()
         hidden = states[0, :fed] if self.layout.layers else None  # [fed, width]
-        return ForwardResult(logits=logits, hidden=hidden)
+        return ForwardResult(logits=logits, hidden=hidden, head_input=head_input)
 
     def prefill(self, cache: DynamicCache, prompt_ids: list[int]) -> ForwardResult:
         """Process the prompt; logits only for its last position."""
@@ -209,22 +216,26 @@ class TargetRunner:
         cols = torch.tensor([o + n - k + i for o, n, k in zip(step.offsets, lengths, keep) for i in range(k)],
                             device=self.device)  # [K] packed positions whose logits are wanted
         select = (torch.zeros_like(cols), cols)
-        logits = self._logits_at(out.last_hidden_state[select], select).split(keep)  # [keep_b, vocab] each
+        logits, head_input = self._logits_at(out.last_hidden_state[select], select)
+        logits = logits.split(keep)  # [keep_b, vocab] each
+        head_inputs = head_input.split(keep) if head_input is not None else [None] * len(rows)
         hidden = [None] * len(rows)
         if self.layout.layers:
             states = self.layout.concat(out.hidden_states)[0]  # [N, width]
             hidden = [states[o:o + n] for o, n in zip(step.offsets, lengths)]
-        return [ForwardResult(logits=lg, hidden=h) for lg, h in zip(logits, hidden)]
+        return [ForwardResult(logits=lg, hidden=h, head_input=hi) for lg, h, hi in zip(logits, hidden, head_inputs)]
 
-    def _logits_at(self, normed: torch.Tensor, select) -> torch.Tensor:
+    def _logits_at(self, normed: torch.Tensor, select) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[N, vocab] float32 logits from the final-norm outputs `normed` [N, hidden] of a batched forward,
-        in this runner's logit precision (`select`: where they came from, for the fp32 head)."""
+        in this runner's logit precision (`select`: where they came from, for the fp32 head), and the fp32
+        final-norm output behind them where they were refined ([N, hidden]; else None)."""
         if self.logit_precision == "fp32":
-            return self.head.logits(len(normed), select)
+            return self.head.logits(len(normed), select), None
         low = self.model.get_output_embeddings()(normed)  # [N, vocab]
         if self.logit_precision == "fp32-top":
-            return self.head.refine(low, select)
-        return soft_cap(low, getattr(self.config, "final_logit_softcapping", None)).float()
+            head_input = self.head.normed(len(normed), select)
+            return self.head.refine_normed(low, head_input), head_input
+        return soft_cap(low, getattr(self.config, "final_logit_softcapping", None)).float(), None
 
     def linear_states(self, cache: DynamicCache, position: int) -> LinearStates | None:
         """The committed state of the layout's `state_layers` in `cache`, which holds positions 0..position-1

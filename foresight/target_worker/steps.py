@@ -3,9 +3,11 @@ how a block is judged, and the small facts the drafter and the evaluations share
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from .logit_rules import LogitRules
 from .request_state import RequestState
 from .sampling import PositionDraws
 from .verification import Verdict, verify
@@ -46,9 +48,19 @@ def verify_block(logits: torch.Tensor, draft: list[int], sampling, draws: Positi
                   rule=sampling.verification, theta=sampling.nucleus_threshold, draws=block)
 
 
-def ruled(state: RequestState, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
-    """The request's logit rules (logit_rules.py) applied to its round's logits [len(draft) + 1, vocab]."""
-    return logits if state.rules is None else state.rules.apply(logits, state.output_ids, draft)
+def ruled(state: RequestState, result, draft: list[int], head) -> torch.Tensor:
+    """The request's logit rules (logit_rules.py) applied to its round's logits `result.logits` [len(draft) + 1,
+    vocab] (`ruled_logits`)."""
+    return result.logits if state.rules is None else ruled_logits(state.rules, state.output_ids, result, draft, head)
+
+
+def ruled_logits(rules: LogitRules, output_ids: list[int], result, draft: list[int], head) -> torch.Tensor:
+    """`rules` applied to a forward's logits `result.logits` [len(draft) + 1, vocab] after `output_ids`; with a
+    low-precision target's fp32 head (`head`, runner.head), refined again near the ruled maxima."""
+    apply = partial(rules.apply, output_ids=output_ids, draft=draft)
+    if head is None or result.head_input is None:
+        return apply(result.logits)
+    return head.refine_ruled(result.logits, result.head_input, apply)
 
 
 def drafter_seed(seed: int) -> int:

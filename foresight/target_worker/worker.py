@@ -315,7 +315,7 @@ class TargetWorker:
             return
         hidden = torch.cat(state.prefill_hidden) if state.prefill_hidden else None  # [prompt, n_layers * hidden]
         state.prefill_hidden = []
-        verdict = verify_block(ruled(state, result.logits, []), [], req.sampling, state.draws, len(req.prompt_ids))
+        verdict = verify_block(ruled(state, result, [], self.runner.head), [], req.sampling, state.draws, len(req.prompt_ids))
         if state.mode not in LOCAL_STRATEGIES:
             state.drafting = self.to_drafter(StartDraft(
                 req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.draws.seed),
@@ -389,7 +389,7 @@ class TargetWorker:
         """Apply the request's verification rule to its block's logits, crop what was rejected, commit.
         `verify_s`: the forward's time; `share_s`: this request's part of it when batched (StepCost)."""
         state, draft, req = r.state, r.draft, r.state.request
-        verdict = verify_block(ruled(state, result.logits, draft), draft, req.sampling, state.draws,
+        verdict = verify_block(ruled(state, result, draft, self.runner.head), draft, req.sampling, state.draws,
                                state.cached_positions + 1)
         self.runner.rollback(state.cache, len(draft) - verdict.accepted, result)
         state.last_verify_s = verify_s

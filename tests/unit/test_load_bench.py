@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from foresight.bench import load
+from foresight.bench.prompts import request_fields
 from foresight.bench.load import RequestResult, percentile, summarise_level
 from foresight.bench.report import write_load_chart
 from foresight.config import ConfigError, EngineConfig, engine_from_args
@@ -122,6 +123,15 @@ def test_request_body_chat_and_completion():
     assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 8
     path, body = load.request_body({"prompt": "def f():"}, 0, args)
     assert path == "/v1/completions" and body["prompt"] == "def f():" and body["temperature"] == 0.5
+
+
+def test_request_fields_go_with_every_request_and_are_checked():
+    args = argparse.Namespace(max_tokens=8, temperature=0.5, seed=3, request_fields='{"presence_penalty": 0.5}')
+    assert load.request_body({"prompt": "x"}, 0, args)[1]["presence_penalty"] == 0.5
+    assert request_fields("") == {} and request_fields('{"min_tokens": 2}') == {"min_tokens": 2}
+    for bad in ("{", "[1]", '{"prompt": "other"}'):
+        with pytest.raises(SystemExit, match="--request-fields"):
+            request_fields(bad)
 
 
 def test_serve_argv_carries_the_engine_flags():

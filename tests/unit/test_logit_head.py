@@ -55,3 +55,28 @@ def test_bf16_target_decides_on_fp32_logits(arch):
 def test_unknown_logit_precision_is_refused():
     with pytest.raises(ValueError, match="logits"):
         TargetRunner(tiny_model("llama"), logits="fp64")
+
+
+def test_logit_rules_that_move_the_maximum_are_decided_in_fp32():
+    """A logit bias lifts the 20th-best token to the top: its ruled logit is its fp32 logit plus the bias (as
+    the full fp32 head gives), not its bf16 one; without the second refinement it would be the bf16 value."""
+    from functools import partial
+
+    from foresight.protocol.messages import SamplingParams
+    from foresight.target_worker.logit_rules import LogitRules
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    full, top = TargetRunner(model, logits="fp32"), TargetRunner(model, logits="fp32-top")
+    prompt = IDS[0].tolist()
+    exact = full.prefill(full.new_cache(), prompt).logits  # [1, vocab]
+    result = top.prefill(top.new_cache(), prompt)
+    order = exact[0].argsort(descending=True)
+    lifted, gap = int(order[19]), float(exact[0, order[0]] - exact[0, order[19]])
+    rules = partial(LogitRules.of(SamplingParams(logit_bias=[(lifted, gap + 0.01)]), prompt, []).apply,
+                    output_ids=[], draft=[])
+    once = rules(result.logits)  # the rules over the first refinement only
+    twice = top.head.refine_ruled(result.logits, result.head_input, rules)
+    want = rules(exact)
+    assert int(want.argmax()) == lifted and int(twice.argmax()) == lifted
+    torch.testing.assert_close(twice[0, lifted], want[0, lifted], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(once[0, lifted], want[0, lifted])  # the lifted token was a bf16 value before

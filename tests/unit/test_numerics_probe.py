@@ -48,3 +48,22 @@ def test_probe_flags_an_unfaithful_replay():
     wrong_ar = [(ar[0] + 1) % 90] + ar[1:]  # not what this target decodes: the replay must say so
     found = numerics.probe(TargetRunner(model), torch.float32, [prompt], [wrong_ar], [wrong_ar[:3] + [0, 0, 0]])
     assert not found[0].replay_faithful
+
+
+def test_probe_reads_the_margin_after_the_requests_logit_rules():
+    """A request whose logit bias ties its two best tokens at the divergence: the replay sees the tie (and the
+    ruled argmax before it), so the mismatch is explained."""
+    from foresight.protocol.messages import SamplingParams
+    from foresight.target_worker.logit_rules import LogitRules
+
+    model = tiny_model("llama")
+    runner = TargetRunner(model)
+    prompt = [5, 17, 33, 2, 60]
+    with torch.inference_mode():
+        first = model(torch.tensor([prompt])).logits[0, -1]
+    (best, second), (a, b) = torch.topk(first, 2).values.tolist(), torch.topk(first, 2).indices.tolist()
+    rules = LogitRules.of(SamplingParams(logit_bias=[(b, best - second)]), prompt, [])
+    found = numerics.probe(runner, torch.bfloat16, [prompt], [[a, 1]], [[b, 1]], [rules])
+    assert found[0].margin == pytest.approx(0.0, abs=1e-4) and found[0].near_tie
+    unruled = numerics.probe(runner, torch.bfloat16, [prompt], [[a, 1]], [[b, 1]])
+    assert unruled[0].margin == pytest.approx(best - second, abs=1e-4)
