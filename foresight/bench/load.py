@@ -203,7 +203,8 @@ def parse_event(data: str) -> tuple[str, int | None, str | None]:
 def request_body(item: dict, index: int, args: argparse.Namespace) -> tuple[str, dict]:
     """(path, JSON body) of one streamed request for a prompt item ({'prompt'} or {'messages'})."""
     body = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed + index,
-            **request_fields(getattr(args, "request_fields", "")), "stream": True, "stream_options": {"include_usage": True}}
+            **request_fields(getattr(args, "request_fields", "")), "stream": True,
+            "stream_options": {"include_usage": True}}
     if "messages" in item:
         return "/v1/chat/completions", {**body, "messages": item["messages"]}
     return "/v1/completions", {**body, "prompt": item["prompt"]}

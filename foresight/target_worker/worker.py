@@ -315,7 +315,8 @@ class TargetWorker:
             return
         hidden = torch.cat(state.prefill_hidden) if state.prefill_hidden else None  # [prompt, n_layers * hidden]
         state.prefill_hidden = []
-        verdict = verify_block(ruled(state, result, [], self.runner.head), [], req.sampling, state.draws, len(req.prompt_ids))
+        verdict = verify_block(ruled(state, result, [], self.runner.head), [], req.sampling, state.draws,
+                               len(req.prompt_ids))
         if state.mode not in LOCAL_STRATEGIES:
             state.drafting = self.to_drafter(StartDraft(
                 req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.draws.seed),
