@@ -160,7 +160,7 @@ async def run_one(engine: EngineClient, request: GenerateRequest, tally: ModeTal
 
 def build_requests(runner: RequestRunner, items: list[dict], args: argparse.Namespace) -> list[GenerateRequest]:
     requests = []
-    fields = request_fields(args.request_fields)
+    fields = request_fields(getattr(args, "request_fields", ""))
     for i, item in enumerate(items):
         common = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed + i, **fields}
         try:
@@ -278,7 +278,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
         "drafter": drafter,
         "machine": machine_info(cfg) | {"compiled": compiled},
         "settings": {"prompts": args.prompts, "n_prompts": len(requests), "temperature": args.temperature,
-                     "request_fields": request_fields(args.request_fields),
+                     "request_fields": request_fields(getattr(args, "request_fields", "")),
                      "max_tokens": args.max_tokens, "block_size": cfg.block_size, "verification": cfg.verification,
                      "nucleus_threshold": cfg.nucleus_threshold, "modes": [r.mode for r in mode_runs],
                      "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max, "refinement": cfg.refinement,

@@ -88,8 +88,8 @@ NEUTRAL_ONLY: dict[str, tuple] = {
 }
 CHAT_ONLY = ("top_logprobs", "response_format", "tools", "tool_choice", "functions", "function_call", "audio",
              "modalities", "prediction", "web_search_options", "reasoning_effort", "verbosity", "store",
-             "service_tier", "add_generation_prompt", "continue_final_message", "echo", "parallel_tool_calls", "metadata",
-             "prompt_cache_key", "safety_identifier")
+             "service_tier", "add_generation_prompt", "continue_final_message", "echo", "parallel_tool_calls",
+             "metadata", "prompt_cache_key", "safety_identifier")
 COMPLETIONS_ONLY = ("best_of", "suffix")
 
 
@@ -100,9 +100,9 @@ def is_neutral(value: Any, neutral: tuple) -> bool:
 
 def refuse_unless_neutral(value: Any, field: str) -> Any:
     if not is_neutral(value, NEUTRAL_ONLY[field]):
-        shown = " or ".join(json.dumps(n) for n in NEUTRAL_ONLY[field] if n is not None)
-        raise ValueError(f"{field} is not supported by this server (accepted only absent or {shown}, which asks "
-                         f"for nothing)")
+        shown = "".join(f" or {json.dumps(n)}" for n in NEUTRAL_ONLY[field] if n is not None)
+        raise ValueError(f"{field} is not supported by this server (accepted only absent{shown}, which asks for "
+                         f"nothing)")
     return value
 
 
@@ -179,19 +179,14 @@ class SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP} stop sequences")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
+        if any(s == "" for s in stops):
+            raise ValueError("a stop sequence must not be empty")
         return v
 
     @field_validator(*(name for name in NEUTRAL_ONLY if name not in CHAT_ONLY + COMPLETIONS_ONLY), mode="before")
     @classmethod
     def _shared_neutral(cls, v, info):
         return refuse_unless_neutral(v, info.field_name)
-
-    @field_validator("stop")
-    @classmethod
-    def _no_empty_stop(cls, v):
-        if any(s == "" for s in ([v] if isinstance(v, str) else (v or []))):
-            raise ValueError("a stop sequence must not be empty")
-        return v
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

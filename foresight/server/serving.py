@@ -166,7 +166,7 @@ class RequestRunner:
                              "max_tokens")
         if body.min_tokens > max_tokens:
             raise BadRequest(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
-        bias = [(int(token), value) for token, value in (body.logit_bias or {}).items()]
+        bias = list({int(token): value for token, value in (body.logit_bias or {}).items()}.items())  # "07" is 7
         self._check_token_ids([token for token, _ in bias], "logit_bias")
         self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         cfg = self.engine.cfg
