@@ -47,10 +47,40 @@ def _content_part_text(i: int, part: Any) -> str:
     return _valid_unicode(text)
 
 
+# The roles a message may have: OpenAI's, less those of tool calling (not built). "developer" is OpenAI's newer
+# name for "system", and is rendered as one.
+ROLES = ("system", "developer", "user", "assistant")
+# Message fields of OpenAI's that we do not build, and the values (what a client echoes back from an earlier
+# answer of ours) that ask for nothing.
+MESSAGE_NEUTRAL = {"name": (None,), "tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,),
+                   "refusal": (None,), "audio": (None,), "annotations": (None, [])}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     role: Text
     content: Any = None  # a string, a list of text parts, or null; checked below for a clear message
+    name: Any = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v):
+        if v not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)} (tool calling is not supported), got {v!r}")
+        return v
+
+    @field_validator(*MESSAGE_NEUTRAL, mode="before")
+    @classmethod
+    def _neutral(cls, v, info):
+        if not is_neutral(v, MESSAGE_NEUTRAL[info.field_name]):
+            raise ValueError(f"message field {info.field_name} is not supported by this server")
+        return v
 
     @field_validator("content")
     @classmethod

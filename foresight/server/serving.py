@@ -142,7 +142,7 @@ class RequestRunner:
     def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         from jinja2 import TemplateError
 
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except TemplateError as exc:  # the template's own verdict, e.g. "roles must alternate"
