@@ -46,6 +46,46 @@ def test_declared_oversized_body_is_413_unread_and_health_answers():
     run(go())
 
 
+def test_a_declared_oversized_body_is_never_read():
+    """The Content-Length alone decides: not one chunk of the body is read before the 413."""
+    read = []
+
+    async def chunks():
+        for _ in range(8):
+            read.append(1)
+            yield b" " * 1024
+
+    async def go():
+        async with running_app(max_request_bytes=4096) as app:
+            reply = await call(app, "POST", "/v1/completions", chunks=chunks(), headers={"content-length": "8192"})
+            assert_openai_error(reply, 413)
+    run(go())
+    assert read == []
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_413(declared):
+    limit = 4096
+    body = json.dumps(COMPLETION).encode()
+    exact = body + b" " * (limit - len(body))  # trailing whitespace: still the same JSON
+
+    async def chunked(data: bytes):
+        for i in range(0, len(data), 1000):
+            yield data[i:i + 1000]
+
+    async def send(app, data: bytes):
+        if declared:
+            return await call(app, "POST", "/v1/completions", data)
+        return await call(app, "POST", "/v1/completions", chunks=chunked(data))
+
+    async def go():
+        async with running_app(max_request_bytes=limit) as app:
+            ok = await send(app, exact)
+            assert ok.status == 200 and ok.json()["choices"][0]["text"] == "hello world"
+            assert_openai_error(await send(app, exact + b" "), 413)
+    run(go())
+
+
 def test_chunked_body_is_cut_off_at_the_limit():
     sent = []
 

@@ -236,6 +236,11 @@ def test_nucleus_mask_ties_and_zero_mass():
     assert in_nucleus(short.expand(4, -1), torch.arange(4), 1.0).tolist() == [True, True, True, False]
     with pytest.raises(ValueError):
         nucleus_mask(p, 0.0)
+    # The boundary below theta = 1, in numbers float32 holds exactly: a token with exactly theta above it is out.
+    halves = torch.tensor([[0.5, 0.25, 0.25, 0.0]])
+    assert nucleus_mask(halves, 0.5).tolist() == [[True, False, False, False]]
+    assert in_nucleus(halves.expand(4, -1), torch.arange(4), 0.5).tolist() == [True, False, False, False]
+    assert in_nucleus(halves.expand(4, -1), torch.arange(4), 0.75).tolist() == [True, True, True, False]
 
 
 def test_nucleus_mask_and_in_nucleus_match_brute_force():
