@@ -33,6 +33,7 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # e.g. vLLM's continuous_usage_stats: refused, not ignored
     include_usage: StrictBool = False
 
 

@@ -269,6 +269,7 @@ def test_an_answer_echoed_back_and_a_developer_message_are_accepted():
     ("/v1/chat/completions", "suffix", "x"),  # a completions field
     ("/v1/completions", "tools", []),  # a chat field
     ("/v1/completions", "temprature", 0),  # a typo
+    ("/v1/chat/completions", "stream_options", {"include_usage": True, "continuous_usage_stats": True}),
 ])
 def test_unknown_fields_are_400_naming_them(path, field, value):
     async def go():
