@@ -79,9 +79,7 @@ class ChatMessage(BaseModel):
     @field_validator(*MESSAGE_NEUTRAL, mode="before")
     @classmethod
     def _neutral(cls, v, info):
-        if not is_neutral(v, MESSAGE_NEUTRAL[info.field_name]):
-            raise ValueError(f"message field {info.field_name} is not supported by this server")
-        return v
+        return refuse_unless_neutral(v, info.field_name, MESSAGE_NEUTRAL)
 
     @field_validator("content")
     @classmethod
@@ -113,15 +111,10 @@ NEUTRAL_ONLY: dict[str, tuple] = {
     "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,),
     "verbosity": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
     # chat (vLLM's extensions)
-    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "echo": (None, False),
-    # completions (OpenAI)
-    "best_of": (None, 1), "suffix": (None, ""),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    # completions (OpenAI; `echo` is vLLM's on chat)
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
 }
-CHAT_ONLY = ("top_logprobs", "response_format", "tools", "tool_choice", "functions", "function_call", "audio",
-             "modalities", "prediction", "web_search_options", "reasoning_effort", "verbosity", "store",
-             "service_tier", "add_generation_prompt", "continue_final_message", "echo", "parallel_tool_calls",
-             "metadata", "prompt_cache_key", "safety_identifier")
-COMPLETIONS_ONLY = ("best_of", "suffix")
 
 
 def is_neutral(value: Any, neutral: tuple) -> bool:
@@ -129,9 +122,10 @@ def is_neutral(value: Any, neutral: tuple) -> bool:
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
-def refuse_unless_neutral(value: Any, field: str) -> Any:
-    if not is_neutral(value, NEUTRAL_ONLY[field]):
-        shown = "".join(f" or {json.dumps(n)}" for n in NEUTRAL_ONLY[field] if n is not None)
+def refuse_unless_neutral(value: Any, field: str, neutral: dict[str, tuple] = NEUTRAL_ONLY) -> Any:
+    """`value` of `field`, unless it asks for something (not one of `neutral[field]`): a ValueError then."""
+    if not is_neutral(value, neutral[field]):
+        shown = "".join(f" or {json.dumps(n)}" for n in neutral[field] if n is not None)
         raise ValueError(f"{field} is not supported by this server (accepted only absent{shown}, which asks for "
                          f"nothing)")
     return value
@@ -214,9 +208,9 @@ class SamplingFields(BaseModel):
             raise ValueError("a stop sequence must not be empty")
         return v
 
-    @field_validator(*(name for name in NEUTRAL_ONLY if name not in CHAT_ONLY + COMPLETIONS_ONLY), mode="before")
+    @field_validator(*NEUTRAL_ONLY, mode="before", check_fields=False)  # the routes declare their own ones
     @classmethod
-    def _shared_neutral(cls, v, info):
+    def _neutral(cls, v, info):
         return refuse_unless_neutral(v, info.field_name)
 
     def stop_list(self) -> list[str]:
@@ -231,14 +225,9 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: Text | list[int] | list[Text]
     max_tokens: int | None = Field(default=16, gt=0)
-    echo: StrictBool = False
+    echo: Any = None
     best_of: Any = None
     suffix: Any = None
-
-    @field_validator(*COMPLETIONS_ONLY, mode="before")
-    @classmethod
-    def _neutral(cls, v, info):
-        return refuse_unless_neutral(v, info.field_name)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -255,13 +244,6 @@ class CompletionRequest(SamplingFields):
                 raise ValueError("batched prompts are not supported; send one prompt per request")
         if isinstance(v, (str, list)) and (len(v) == 0 or v == [""]):
             raise ValueError("prompt must not be empty")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
         return v
 
 
@@ -284,7 +266,7 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: Any = None
     add_generation_prompt: Any = None
     continue_final_message: Any = None
-    echo: Any = None
+    echo: Any = None  # vLLM's
     # Accepted as they come: they never change what is generated (no tools are ever called; ids for the
     # provider's logs and caches).
     parallel_tool_calls: StrictBool | None = None
@@ -292,10 +274,6 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_key: Text | None = None
     safety_identifier: Text | None = None
 
-    @field_validator(*(name for name in CHAT_ONLY if name in NEUTRAL_ONLY), mode="before")
-    @classmethod
-    def _neutral(cls, v, info):
-        return refuse_unless_neutral(v, info.field_name)
 
     @model_validator(mode="after")
     def _max_tokens_alias(self):

@@ -58,7 +58,7 @@ class Fp32LogitHead:
     def logits(self, keep: int, select: Selection | None = None) -> torch.Tensor:
         """[keep, vocab] float32 logits for the last `keep` positions of the forward that just ran
         (of a batched forward: the positions `select` names)."""
-        logits = torch.nn.functional.linear(self._normed(keep, select), self.weight)
+        logits = torch.nn.functional.linear(self.normed(keep, select), self.weight)
         return self._softcap(logits)
 
     def refine(self, low: torch.Tensor, select: Selection | None = None) -> torch.Tensor:
@@ -96,9 +96,6 @@ class Fp32LogitHead:
     def normed(self, keep: int, select: Selection | None = None) -> torch.Tensor:
         """[keep, hidden] float32: the final norm (in fp32) of the last `keep` captured positions (of a batched
         forward: the positions `select` names)."""
-        return self._normed(keep, select)
-
-    def _normed(self, keep: int, select: Selection | None) -> torch.Tensor:
         captured = self._captured  # [batch, positions, hidden]
         hidden = (captured[select] if select is not None else captured[0, -keep:]).float()  # [keep, hidden]
         self._captured = None

@@ -157,18 +157,8 @@ class TargetRunner:
         for layer in cache.layers:
             layer.hold(past + fed)  # the padding's keys stay beyond what the layer holds
         keep = keep_logits or fed
-        last = last[:, :fed]  # [1, fed, hidden] before the final norm
-        head_input = None
-        if self.logit_precision == "fp32":
-            self.head.capture(last)
-            logits = self.head.logits(keep)
-        else:
-            low = self.model.get_output_embeddings()(self.model.model.norm(last[:, -keep:]))[0]  # [keep, vocab]
-            if self.logit_precision == "fp32-top":
-                head_input = self.head.normed(keep)  # the norm's hook captured its input
-                logits = self.head.refine_normed(low, head_input)
-            else:
-                logits = soft_cap(low, getattr(self.config, "final_logit_softcapping", None)).float()
+        normed = self.model.model.norm(last[:, fed - keep:fed])[0]  # [keep, hidden]; the fp32 head's hook captures
+        logits, head_input = self._logits_at(normed, None)  # the norm's input (the last layer's output) as it runs
         hidden = states[0, :fed] if self.layout.layers else None  # [fed, width]
         return ForwardResult(logits=logits, hidden=hidden, head_input=head_input)
 
@@ -226,9 +216,10 @@ class TargetRunner:
         return [ForwardResult(logits=lg, hidden=h, head_input=hi) for lg, h, hi in zip(logits, hidden, head_inputs)]
 
     def _logits_at(self, normed: torch.Tensor, select) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[N, vocab] float32 logits from the final-norm outputs `normed` [N, hidden] of a batched forward,
-        in this runner's logit precision (`select`: where they came from, for the fp32 head), and the fp32
-        final-norm output behind them where they were refined ([N, hidden]; else None)."""
+        """[N, vocab] float32 logits from final-norm outputs `normed` [N, hidden] (of a batched forward, or the
+        last positions of a compiled one), in this runner's logit precision (`select`: where they came from in a
+        batched forward, for the fp32 head; None: the last N positions captured), and the fp32 final-norm output
+        behind them where they were refined ([N, hidden]; else None)."""
         if self.logit_precision == "fp32":
             return self.head.logits(len(normed), select), None
         low = self.model.get_output_embeddings()(normed)  # [N, vocab]
