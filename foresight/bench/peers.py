@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError, EngineConfig
+from ..models.compiled_step import intra_op_threads
 from ..protocol.messages import GenerateRequest
 from ..target_worker.loading import load_target, resolve_dtype, resolve_target
 from ..target_worker.steps import eos_ids
@@ -123,14 +124,10 @@ class HfPeers(PeerGroup):
     @torch.inference_mode()
     def run(self, peer: Peer, request: GenerateRequest, tally: PeerTally | None = None) -> None:
         """`peer` on `request`, counted in `tally` (default: the peer's own)."""
-        previous = torch.get_num_threads()
-        torch.set_num_threads(peer.threads)
-        try:
+        with intra_op_threads(peer.threads):
             t0 = time.perf_counter()
             tokens = self._generate(peer, request)
             elapsed = time.perf_counter() - t0
-        finally:
-            torch.set_num_threads(previous)
         self.count(peer, tally, tokens, elapsed)
 
     def _generate(self, peer: Peer, request: GenerateRequest) -> list[int]:
