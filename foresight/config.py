@@ -18,6 +18,7 @@ VERIFY_LENGTHS = ("auto", "prefix", "max")
 CPU_LINEARS = ("auto", "prepacked", "plain")  # target_worker/cpu_linear.py
 QUANTIZATIONS = ("auto", "none", "int4")  # models/quantization.py
 COMPILES = ("auto", "on", "off")  # models/compiled_step.py
+LOGPROBS_MODES = ("raw", "processed")  # target_worker/logprobs.py
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -83,6 +84,9 @@ class EngineConfig:
     batched_steps: bool = True
     max_num_batched_tokens: int = 256
     model_name: str | None = None  # served name; None = folder name of the target
+    # What logprobs report: "raw" = the target's own distribution, "processed" = the one each token was decided on
+    # (logit rules, temperature, top-k, top-p), as vLLM's logprobs_mode (target_worker/logprobs.py)
+    logprobs_mode: str = "raw"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -94,6 +98,7 @@ class EngineConfig:
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("compile", self.compile, COMPILES)
         _check_choice("verify_length", self.verify_length, VERIFY_LENGTHS)
+        _check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         if not 0.0 < self.nucleus_threshold <= 1.0:
             raise ConfigError("nucleus_threshold must lie in (0, 1]")
         if not 2 <= self.block_size <= 64:
@@ -161,6 +166,9 @@ class ServerConfig:
     request_timeout_s: float = 0.0  # wall-clock limit per request from its arrival; 0 = none
     idle_timeout_s: float = 0.0  # longest wait for a request's next output (first one included); 0 = none
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/* when set
+    # Control-token text inside chat message content becomes the control tokens (trusted clients only); by
+    # default it is tokenized as text (server/chat_prompt.py)
+    allow_special_tokens_in_content: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -270,6 +278,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="tokens one target step processes at most: prompts are prefilled in chunks of this size "
                         "between other requests' verify blocks")
     g.add_argument("--served-model-name", dest="model_name", default=d.model_name)
+    g.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=LOGPROBS_MODES,
+                   help="what logprobs report: raw (the target's own next-token distribution, as OpenAI) or "
+                        "processed (the distribution each token was decided on: logit bias and penalties, then "
+                        "temperature, top-k and top-p)")
     g.add_argument("--seed", type=int, default=d.seed)
 
 
@@ -318,6 +330,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None,
                    help=f"require `Authorization: Bearer <key>` on /v1/* (default: ${API_KEY_ENV}; "
                         "/health and /metrics stay open)")
+    g.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="chat: text of control tokens (<|im_end|>, ...) inside a message becomes those tokens, for "
+                        "clients you trust; by default it is tokenized as text, so no message can forge a turn")
 
 
 def server_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerConfig:
@@ -331,4 +346,4 @@ def server_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerCo
                         api_key=api_key, max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                         heartbeat_timeout_s=args.heartbeat_timeout, stall_timeout_s=args.stall_timeout,
                         drain_timeout_s=args.drain_timeout,
-                        engine=engine)
+                        allow_special_tokens_in_content=args.allow_special_tokens_in_content, engine=engine)

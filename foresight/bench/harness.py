@@ -168,6 +168,8 @@ def build_requests(runner: RequestRunner, items: list[dict], args: argparse.Name
                 else CompletionRequest(prompt=item["prompt"], **common)
         except pydantic.ValidationError as exc:
             raise SystemExit(f"--request-fields: {exc}") from None
+        if body.n != 1:
+            raise SystemExit("--request-fields: n must be 1 (the bench times one sequence per prompt)")
         prompt_ids, param = runner.prompt_ids(body)
         requests.append(runner.build(body, prompt_ids, param))
     return requests

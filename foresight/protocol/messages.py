@@ -21,9 +21,10 @@ import torch
 
 from .kinds import Mode, Refinement, Strategy
 
-PROTOCOL_VERSION = 7  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle.
+PROTOCOL_VERSION = 8  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle.
 # 4: Outcome.verify_share_s. 5: LinearStates in StartDraft and Outcome. 6: WorkerReady.layout (HiddenLayout) in
-# place of its info's hidden_layers and state_layers. 7: Outcome.catch_up
+# place of its info's hidden_layers and state_layers. 7: Outcome.catch_up. 8: logprobs (SamplingParams,
+# TokenOutput, TokenLogprobs)
 
 MESSAGE_TYPES: dict[str, type] = {}
 
@@ -60,6 +61,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias) pairs
     min_tokens: int = 0  # stop tokens are held back until this many tokens were generated
+    # Log-probabilities (target_worker/logprobs.py): None = none; k >= 0 = each token's and the k most likely
+    # alternatives', of the generated tokens (`logprobs`) and of the prompt's (`prompt_logprobs`)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @message
@@ -125,6 +130,29 @@ class RoundStats:
 
 
 @message
+class TokenLogprobs:
+    """Log-probabilities of n tokens (target_worker/logprobs.py): each one's, and its position's k most likely
+    tokens with theirs (-inf where a token is impossible: masked by a rule, top-k or top-p)."""
+
+    KIND: ClassVar[str] = "token_logprobs"
+    values: list[float]  # [n]
+    top_ids: list[list[int]]  # [n][k], most likely first
+    top_values: list[list[float]]  # [n][k]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def head(self, n: int) -> "TokenLogprobs":
+        """The first n tokens'."""
+        return TokenLogprobs(self.values[:n], self.top_ids[:n], self.top_values[:n])
+
+    @classmethod
+    def join(cls, parts: Sequence["TokenLogprobs"]) -> "TokenLogprobs":
+        return cls([v for p in parts for v in p.values], [t for p in parts for t in p.top_ids],
+                   [t for p in parts for t in p.top_values])
+
+
+@message
 class TokenOutput:
     KIND: ClassVar[str] = "tokens"
     req_id: str
@@ -133,6 +161,9 @@ class TokenOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     rounds: list[RoundStats] = field(default_factory=list)
     prompt_tokens: int = 0
+    logprobs: TokenLogprobs | None = None  # of token_ids, when the request asked for them
+    # Of the prompt's tokens after its first (which has none), with the request's first output
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @message

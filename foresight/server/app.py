@@ -88,7 +88,8 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
             await engine.stop()  # no worker, socket folder or segment outlives a failed start
             raise
         info = engine.target_info()
-        state["runner"] = RequestRunner(engine, tokenizer, model_name, info["max_model_len"], metrics)
+        state["runner"] = RequestRunner(engine, tokenizer, model_name, info["max_model_len"], metrics,
+                                        special_tokens_in_content=cfg.allow_special_tokens_in_content)
         yield
         state["runner"].close()
         await engine.stop()
@@ -163,7 +164,7 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
         runner: RequestRunner = state["runner"]
         try:
             prompt_ids, param = await runner.tokenize(body)
-            request = runner.build(body, prompt_ids, param, req_id=rid)
+            requests = runner.build_choices(body, prompt_ids, param, req_id=rid)
         except BadRequest as exc:
             metrics.record_failure("bad_request")
             return error(400, str(exc), exc.param)
@@ -172,22 +173,32 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
             return error(500, internal_message(rid))
         # Admission is decided here, before any stream starts: 400 for a request larger than the whole KV
         # budget, 429 when the wait queue is full. The request then waits for its turn inside generate().
+        # The n choices are admitted together or not at all.
         try:
-            engine.admit(request)
-        except KVBudgetExceeded as exc:
-            metrics.record_failure("bad_request")
-            return error(400, str(exc), exc.param)
-        except QueueFull:
-            metrics.record_failure("queue_full")
-            return error(429, f"the server is busy: {engine.waiting} requests are already waiting")
-        except EngineUnavailable:
-            return error(503, SHUTTING_DOWN if drain.draining else NOT_READY)
-        job = Job(runner, body, request, chat, rid, deadline, timeout_s, cfg.idle_timeout_s or None)
+            for request in requests:
+                engine.admit(request)
+        except (KVBudgetExceeded, QueueFull, EngineUnavailable) as exc:
+            discard_all(requests)
+            return refused(exc)
+        job = Job(runner, body, requests, chat, rid, deadline, timeout_s, cfg.idle_timeout_s or None)
         if body.stream:
-            return AdmittedStream(stream(job), lambda: engine.discard(rid), media_type="text/event-stream")
+            return AdmittedStream(stream(job), lambda: discard_all(requests), media_type="text/event-stream")
         try:
             return await complete(job, raw.is_disconnected)
         finally:
-            engine.discard(rid)  # the admission of a request whose engine work never started
+            discard_all(requests)  # the admission of requests whose engine work never started
+
+    def discard_all(requests) -> None:
+        for request in requests:
+            engine.discard(request.req_id)
+
+    def refused(exc: Exception):
+        if isinstance(exc, KVBudgetExceeded):
+            metrics.record_failure("bad_request")
+            return error(400, str(exc), exc.param)
+        if isinstance(exc, QueueFull):
+            metrics.record_failure("queue_full")
+            return error(429, f"the server is busy: {engine.waiting} requests are already waiting")
+        return error(503, SHUTTING_DOWN if drain.draining else NOT_READY)
 
     return app

@@ -93,3 +93,46 @@ async def guarded(events: AsyncIterator, deadline: float | None = None,
             step.cancel()  # we were cancelled from outside: the step's task unwinds the inner iterator
         else:
             await it.aclose()
+
+
+_END = object()
+
+
+async def merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(i, item) from several iterators as their items come (the n choices of one request). One that raises
+    ends them all: the others are closed (which aborts their engine requests) and the error goes on to the
+    caller; closing this iterator closes them all. One iterator is re-yielded as it is, without tasks."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item, None))
+            queue.put_nowait((i, None, _END))
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item, end = await queue.get()
+            if end is _END:
+                left -= 1
+            elif end is not None:
+                raise end
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 # Limits on what one request may hold (the body size is bounded separately, --max-request-bytes).
 MAX_MESSAGES = 2048
 MAX_STOP = 16  # OpenAI allows 4; each is searched for in every step's new text
 MAX_STOP_CHARS = 256  # streamed text is held back by the longest stop string's length
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows 300)
+MAX_N = 16  # choices per request: each runs as a request of its own in the engine
+MAX_TOP_LOGPROBS = 20  # alternatives per position (chat's top_logprobs bound; completions' logprobs, as vLLM's)
+TopCount = Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 def _valid_unicode(text: str) -> str:
@@ -101,20 +104,20 @@ class ChatMessage(BaseModel):
 # Fields we do not implement, and the values that ask for nothing (what the field means when absent): any other
 # value is a 400 naming the field.
 NEUTRAL_ONLY: dict[str, tuple] = {
-    # both routes (OpenAI)
-    "logprobs": (None, False),
     # both routes (vLLM's extensions)
     "min_p": (None, 0.0), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     # chat (OpenAI)
-    "top_logprobs": (None, 0), "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "response_format": (None, {"type": "text"}), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,),
     "verbosity": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
     # chat (vLLM's extensions)
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
-    # completions (OpenAI; `echo` is vLLM's on chat)
-    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+    # completions (OpenAI)
+    "best_of": (None, 1), "suffix": (None, ""),
 }
+# Chat's own (vLLM's): echo is a completions field, built there.
+CHAT_NEUTRAL_ONLY = {"echo": (None, False)}
 
 
 def is_neutral(value: Any, neutral: tuple) -> bool:
@@ -141,7 +144,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1, lt=2**31)
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: Text | list[Text] | None = None
     stream: StrictBool = False
@@ -153,7 +156,6 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     min_tokens: int = Field(default=0, ge=0, lt=2**31)  # vLLM's
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP)  # vLLM's
-    logprobs: Any = None
     min_p: Any = None
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
@@ -224,8 +226,9 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[int] | list[Text]
-    max_tokens: int | None = Field(default=16, gt=0)
-    echo: Any = None
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: with echo, score the prompt only
+    logprobs: TopCount | None = None  # each token's logprob and its position's k most likely tokens'
+    echo: StrictBool | None = None  # the prompt before the completion (with logprobs: the prompt's logprobs too)
     best_of: Any = None
     suffix: Any = None
 
@@ -250,7 +253,8 @@ class CompletionRequest(SamplingFields):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, gt=0)
-    top_logprobs: Any = None
+    logprobs: StrictBool | None = None
+    top_logprobs: TopCount | None = None  # needs logprobs: true
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -274,6 +278,11 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_key: Text | None = None
     safety_identifier: Text | None = None
 
+
+    @field_validator(*CHAT_NEUTRAL_ONLY, mode="before")
+    @classmethod
+    def _chat_neutral(cls, v, info):
+        return refuse_unless_neutral(v, info.field_name, CHAT_NEUTRAL_ONLY)
 
     @model_validator(mode="after")
     def _max_tokens_alias(self):

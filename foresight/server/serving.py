@@ -12,11 +12,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from ..protocol.messages import GenerateRequest, RoundStats, SamplingParams
+from ..protocol.messages import GenerateRequest, RoundStats, SamplingParams, TokenOutput
 from .detokenizer import IncrementalDetokenizer
 from .engine_client import EngineClient, RequestError
+from .chat_prompt import ContentNotKept, added_token_texts, chat_prompt_ids
+from .logprobs import TokenTexts
 from .openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 log = logging.getLogger("foresight.server")
@@ -44,10 +46,14 @@ def max_token_chars(tokenizer) -> int:
 def _chars(body) -> tuple[int, str]:
     if isinstance(body, ChatCompletionRequest):
         return sum(len(m.text()) + len(m.role) for m in body.messages), "messages"
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    prompt = single_prompt(body)
     return (len(prompt) if isinstance(prompt, str) else 0), "prompt"
+
+
+def single_prompt(body: CompletionRequest) -> str | list[int]:
+    """A completions prompt: its text, or its token ids (a list of one text is that text)."""
+    prompt = body.prompt
+    return prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) else prompt
 
 
 @dataclass
@@ -77,6 +83,25 @@ class SpecTally:
         if stats.exposed_draft_s is not None:
             self.exposed_s.append(stats.exposed_draft_s)
 
+    @classmethod
+    def combined(cls, tallies: list["SpecTally"]) -> "SpecTally":
+        """The statistics of several requests (the choices of one) as one."""
+        if len(tallies) == 1:
+            return tallies[0]
+        out = cls()
+        for t in tallies:
+            out.rounds += t.rounds
+            out.draft_tokens += t.draft_tokens
+            out.accepted_tokens += t.accepted_tokens
+            out.nucleus_extra += t.nucleus_extra
+            out.committed += t.committed
+            out.lookups += t.lookups
+            out.hits += t.hits
+            out.exposed_s += t.exposed_s
+            for strategy, n in t.strategies.items():
+                out.strategies[strategy] = out.strategies.get(strategy, 0) + n
+        return out
+
     def to_dict(self) -> dict:
         return {
             "rounds": self.rounds,
@@ -91,11 +116,23 @@ class SpecTally:
         }
 
 
+@dataclass(slots=True)
+class Piece:
+    """What one engine output adds to a request's answer."""
+
+    text: str  # new text that is safe to send (detokenizer.py)
+    reason: str | None  # the finish reason, on the last piece
+    tally: SpecTally  # the request's speculation statistics so far
+    n_completion: int  # tokens generated so far
+    output: TokenOutput  # the engine's: its token ids and, when asked for, their logprobs and the prompt's
+
+
 class RequestRunner:
     """Builds engine requests from OpenAI bodies and turns outputs back into OpenAI responses."""
 
     def __init__(self, engine: EngineClient, tokenizer, model_name: str, max_model_len: int, metrics=None,
-                 max_prompt_chars: int | None = None):
+                 max_prompt_chars: int | None = None, special_tokens_in_content: bool = False):
+        """`special_tokens_in_content`: control-token text in chat messages becomes control tokens (chat_prompt.py)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -107,6 +144,9 @@ class RequestRunner:
         # One thread: a Hugging Face tokenizer is not safe to use from several threads at once, and
         # tokenizing (or templating) a long prompt must not stall the event loop.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="foresight-tokenize")
+        self.token_texts = TokenTexts(tokenizer) if tokenizer is not None else None  # logprobs' token strings
+        self.split_special = not special_tokens_in_content
+        self.controls = added_token_texts(tokenizer) if tokenizer is not None else []
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -128,9 +168,7 @@ class RequestRunner:
     def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str]:
         if isinstance(body, ChatCompletionRequest):
             return self._chat_ids(body), "messages"
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        prompt = single_prompt(body)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False) or [self.tokenizer.eos_token_id], "prompt"
         if len(prompt) >= self.max_model_len:
@@ -144,14 +182,14 @@ class RequestRunner:
 
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return chat_prompt_ids(self.tokenizer, messages, self.split_special, self.controls)
+        except ContentNotKept as exc:
+            raise BadRequest(f"messages hold control-token text, and {exc}", "messages")
         except TemplateError as exc:  # the template's own verdict, e.g. "roles must alternate"
             raise BadRequest(f"messages could not be formatted with the chat template: {exc}", "messages")
         except Exception:
             log.warning("chat template failed on a request's messages", exc_info=True)
             raise BadRequest("messages could not be formatted with the chat template", "messages")
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        return list(ids)
 
     def build(self, body: SamplingFields, prompt_ids: list[int], prompt_param: str,
               req_id: str | None = None) -> GenerateRequest:
@@ -160,6 +198,9 @@ class RequestRunner:
             raise BadRequest(f"the prompt has {n_prompt} tokens; this model's context length is "
                              f"{self.max_model_len} tokens", prompt_param)
         max_tokens = body.max_tokens if body.max_tokens is not None else self.max_model_len - n_prompt
+        if max_tokens == 0 and not getattr(body, "echo", None):
+            raise BadRequest("max_tokens may be 0 only with echo: true (to score the prompt)", "max_tokens")
+        logprobs, prompt_logprobs = logprob_counts(body)
         if n_prompt + max_tokens > self.max_model_len:
             raise BadRequest(f"this model's maximum context length is {self.max_model_len} tokens; you requested "
                              f"{n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} to generate)",
@@ -176,10 +217,27 @@ class RequestRunner:
             verification=body.verification or cfg.verification,
             nucleus_threshold=body.nucleus_threshold if body.nucleus_threshold is not None else cfg.nucleus_threshold,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty, logit_bias=bias, min_tokens=body.min_tokens)
+            repetition_penalty=body.repetition_penalty, logit_bias=bias, min_tokens=body.min_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         return GenerateRequest(req_id=req_id or f"{prompt_param[:4]}-{uuid.uuid4().hex[:16]}", prompt_ids=prompt_ids,
                                max_tokens=max_tokens, sampling=sampling, ignore_eos=body.ignore_eos,
                                stop_token_ids=list(body.stop_token_ids or []))
+
+    def echo_text(self, body: CompletionRequest, prompt_ids: list[int]) -> str:
+        """The prompt as completions' echo returns it: as sent, or its token ids decoded."""
+        prompt = single_prompt(body)
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+
+    def build_choices(self, body: SamplingFields, prompt_ids: list[int], prompt_param: str,
+                      req_id: str) -> list[GenerateRequest]:
+        """One engine request per choice (`n`): choice i is request `req_id`-i (choice 0: `req_id`), seeded
+        `seed` + i when the body has a seed (else each draws its own)."""
+        first = self.build(body, prompt_ids, prompt_param, req_id)
+        choices = [first]
+        for i in range(1, body.n):
+            seed = None if body.seed is None else (body.seed + i) % 2**63
+            choices.append(replace(first, req_id=f"{req_id}-{i}", sampling=replace(first.sampling, seed=seed)))
+        return choices
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         if any(t >= len(self.tokenizer) for t in ids):
@@ -187,8 +245,8 @@ class RequestRunner:
 
     # ------------------------------------------------------------------ running it
 
-    async def events(self, request: GenerateRequest, stop: list[str]) -> AsyncIterator[tuple[str, str | None, SpecTally, int]]:
-        """Yield (new_text, finish_reason, tally, completion_tokens) per engine output."""
+    async def events(self, request: GenerateRequest, stop: list[str]) -> AsyncIterator[Piece]:
+        """One `Piece` per engine output."""
         detok = IncrementalDetokenizer(self.tokenizer, stop)
         tally = SpecTally()
         start = last = time.perf_counter()
@@ -210,7 +268,7 @@ class RequestRunner:
                 reason = "stop" if detok.stopped else out.finish_reason
                 if self.metrics:
                     self.metrics.record_generation_tokens(len(out.token_ids))
-                yield text, (reason if (out.finished or detok.stopped) else None), tally, n_tokens
+                yield Piece(text, reason if (out.finished or detok.stopped) else None, tally, n_tokens, out)
                 if detok.stopped:
                     break  # leaving the generator aborts the request in the engine
         except RequestError:
@@ -234,6 +292,15 @@ class RequestRunner:
     def usage(self, n_prompt: int, n_completion: int, tally: SpecTally) -> dict:
         return {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                 "total_tokens": n_prompt + n_completion, "speculation": tally.to_dict()}
+
+
+def logprob_counts(body: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, int | None]:
+    """(alternatives per generated token, per prompt token) the request's logprobs ask for; None: no logprobs."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None, None
+    return body.logprobs, body.logprobs if body.echo else None
 
 
 def sse(data: dict | str) -> str:

@@ -86,10 +86,20 @@ class Fp32LogitHead:
         scale = torch.maximum(top.abs(), logits.max(-1, keepdim=True).values.abs())
         return rules(self._exact_at(logits.clone(), ruled >= top - 2 * self.window_rel * scale, normed))
 
+    def exact_columns(self, logits: torch.Tensor, columns: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """A copy of logits [n, vocab] float32 with the entries of `columns` [n, c] (token ids per row) recomputed
+        in fp32 from normed [n, hidden] (the final norm's fp32 output of those rows)."""
+        rows = torch.arange(columns.shape[0], device=logits.device).repeat_interleave(columns.shape[1])  # [n * c]
+        # A column named twice is written twice with the same value.
+        return self._write_exact(logits.clone(), rows, columns.reshape(-1), normed)
+
     def _exact_at(self, out: torch.Tensor, where: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """out [keep, vocab] with the entries `where` [keep, vocab] bool recomputed in fp32 (in place)."""
-        rows, cols = where.nonzero(as_tuple=True)  # [n]
-        exact = (self.weight_low[cols].float() * normed[rows]).sum(-1)  # [n]
+        return self._write_exact(out, *where.nonzero(as_tuple=True), normed)
+
+    def _write_exact(self, out: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """out [keep, vocab] with the entries (rows [m], cols [m]) recomputed in fp32 (in place)."""
+        exact = (self.weight_low[cols].float() * normed[rows]).sum(-1)  # [m]
         out[rows, cols] = self._softcap(exact)
         return out
 

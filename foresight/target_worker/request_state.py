@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..protocol.kinds import Mode, Strategy
-from ..protocol.messages import GenerateRequest
+from ..protocol.messages import GenerateRequest, TokenLogprobs
 from .logit_rules import LogitRules
 from .sampling import PositionDraws
 from .strategy_choice import LOCAL_STRATEGIES, RequestChoice
@@ -58,6 +58,7 @@ class RequestState:
     block_received_at: float = 0.0
     arrived_at: float = field(default_factory=time.perf_counter)
     rules: LogitRules | None = None  # its logit bias, penalties and min_tokens (None: none)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # its prefill chunks', until sent
 
     @property
     def req_id(self) -> str:
@@ -66,6 +67,13 @@ class RequestState:
     @property
     def prefilled(self) -> bool:
         return self.prefill_pos >= len(self.request.prompt_ids)
+
+    def take_prompt_logprobs(self) -> TokenLogprobs | None:
+        """The prompt's logprobs, once (None: not wanted)."""
+        if self.request.sampling.prompt_logprobs is None:
+            return None
+        joined, self.prompt_logprobs = TokenLogprobs.join(self.prompt_logprobs), []
+        return joined
 
     def awaits_block(self) -> bool:
         """Does the current round verify a block from the drafter (not a plain step or local prompt lookup)?"""

@@ -162,9 +162,9 @@ class TargetRunner:
         hidden = states[0, :fed] if self.layout.layers else None  # [fed, width]
         return ForwardResult(logits=logits, hidden=hidden, head_input=head_input)
 
-    def prefill(self, cache: DynamicCache, prompt_ids: list[int]) -> ForwardResult:
-        """Process the prompt; logits only for its last position."""
-        return self.forward(cache, prompt_ids, keep_logits=1)
+    def prefill(self, cache: DynamicCache, prompt_ids: list[int], keep_logits: int = 1) -> ForwardResult:
+        """Process the prompt; logits for its last `keep_logits` positions (by default the last only)."""
+        return self.forward(cache, prompt_ids, keep_logits=keep_logits)
 
     def verify(self, cache: DynamicCache, anchor: int, draft: list[int]) -> ForwardResult:
         """Score `[anchor, d_1..d_gamma]`: row i is the target's distribution after d_i (row 0 after the anchor)."""

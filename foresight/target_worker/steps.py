@@ -2,7 +2,7 @@
 how a block is judged, and the small facts the drafter and the evaluations share (seeds, stop tokens)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -61,6 +61,12 @@ def ruled_logits(rules: LogitRules, output_ids: list[int], result, draft: list[i
     if head is None or result.head_input is None:
         return apply(result.logits)
     return head.refine_ruled(result.logits, result.head_input, apply)
+
+
+def last_row(result):
+    """A forward's result as if it had kept its last position's logits only (what `prefill` keeps)."""
+    head_input = result.head_input[-1:] if result.head_input is not None else None
+    return replace(result, logits=result.logits[-1:], head_input=head_input)
 
 
 def drafter_seed(seed: int) -> int:

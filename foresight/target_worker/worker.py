@@ -42,6 +42,7 @@ from ..protocol.messages import (
     RoundStats,
     Shutdown,
     StartDraft,
+    TokenLogprobs,
     TokenOutput,
     WorkerReady,
 )
@@ -61,7 +62,8 @@ from .runner import TargetRunner
 from .step_cost import StepCost
 from .step_threads import StepThreads, drafter_busy, winding_down_only
 from .logit_rules import LogitRules
-from .steps import RoundDrafts, StepPlan, drafter_seed, eos_ids, ruled, verify_block
+from .logprobs import committed_logprobs, prompt_chunk_logprobs
+from .steps import RoundDrafts, StepPlan, drafter_seed, eos_ids, last_row, ruled, verify_block
 from .strategy_choice import LOCAL_STRATEGIES, StrategyChooser, request_group, round_context
 
 log = logging.getLogger("foresight.target")
@@ -294,9 +296,11 @@ class TargetWorker:
     # ------------------------------------------------------------------ one step of a request
 
     def prefill(self, state: RequestState, budget: int) -> None:
-        """Feed the prompt's next chunk of at most `budget` tokens in a forward of its own."""
+        """Feed the prompt's next chunk of at most `budget` tokens in a forward of its own (with every position's
+        logits when the prompt's logprobs are wanted)."""
         chunk = self.next_chunk(state, budget)
-        self.chunk_done(state, chunk, self.runner.prefill(state.cache, chunk))
+        keep = len(chunk) if state.request.sampling.prompt_logprobs is not None else 1
+        self.chunk_done(state, chunk, self.runner.prefill(state.cache, chunk, keep_logits=keep))
 
     def next_chunk(self, state: RequestState, budget: int) -> list[int]:
         """The prompt's next at most `budget` tokens, not yet fed (its cache is made here)."""
@@ -305,18 +309,27 @@ class TargetWorker:
         return state.request.prompt_ids[state.prefill_pos: state.prefill_pos + budget]
 
     def chunk_done(self, state: RequestState, chunk: list[int], result) -> None:
-        """`chunk` went into the cache (`result`: its forward's, logits of its last position); after the
-        prompt's last chunk, commit the first token and start the drafter on the request."""
+        """`chunk` went into the cache (`result`: its forward's, logits of its last position, or of every one when
+        the prompt's logprobs are wanted); after the prompt's last chunk, commit the first token and start the
+        drafter on the request."""
         req = state.request
+        if req.sampling.prompt_logprobs is not None:
+            state.prompt_logprobs.append(prompt_chunk_logprobs(result, req.prompt_ids, state.prefill_pos, len(chunk),
+                                                               req.sampling.prompt_logprobs, self.runner.head))
+            result = last_row(result)
         state.prefill_pos += len(chunk)
         if result.hidden is not None:
             state.prefill_hidden.append(result.hidden)
         if not state.prefilled:
             return
+        if req.max_tokens == 0:  # scoring the prompt only (echo): nothing to generate
+            self.finish_unstarted(state)
+            return
         hidden = torch.cat(state.prefill_hidden) if state.prefill_hidden else None  # [prompt, n_layers * hidden]
         state.prefill_hidden = []
-        verdict = verify_block(ruled(state, result, [], self.runner.head), [], req.sampling, state.draws,
-                               len(req.prompt_ids))
+        decided = ruled(state, result, [], self.runner.head)
+        verdict = verify_block(decided, [], req.sampling, state.draws, len(req.prompt_ids))
+        logprobs = self.round_logprobs(state, result, decided, [verdict.token])
         if state.mode not in LOCAL_STRATEGIES:
             state.drafting = self.to_drafter(StartDraft(
                 req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.draws.seed),
@@ -327,7 +340,22 @@ class TargetWorker:
                                               self.round_context(req.prompt_ids + [verdict.token]))
         elif state.mode == Mode.AUTO:
             state.strategy = Strategy.NGRAM  # no drafter: the one strategy auto has left
-        self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True)
+        self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True, logprobs=logprobs)
+
+    def finish_unstarted(self, state: RequestState) -> None:
+        """End a request that asked for no tokens (max_tokens 0) once its prompt is in: its prompt's logprobs."""
+        self.send_to_api.send(TokenOutput(req_id=state.req_id, token_ids=[], finished=True, finish_reason="length",
+                                          prompt_tokens=len(state.request.prompt_ids),
+                                          prompt_logprobs=state.take_prompt_logprobs()))
+        self.drop(state.req_id)
+
+    def round_logprobs(self, state: RequestState, result, decided: torch.Tensor, committed: list[int]):
+        """The logprobs of a round's committed tokens (`decided`: the logits its verification took), if the
+        request wants them (else None)."""
+        if state.request.sampling.logprobs is None:
+            return None
+        return committed_logprobs(result, decided, committed, state.request.sampling, self.runner.head,
+                                  self.cfg.logprobs_mode)
 
     def run_rounds(self, states: list[RequestState], chunk_state: RequestState | None = None) -> None:
         """Verify the blocks of `states`' rounds and feed `chunk_state`'s next prompt chunk: in one forward
@@ -341,11 +369,15 @@ class TargetWorker:
                 self.fail(state)
             else:
                 state.waited_s += time.perf_counter() - t0  # prompt lookup: this round's own drafting
-        # The verify blocks come first; the prompt gets what is left of the step's token budget.
+        # The verify blocks come first; the prompt gets what is left of the step's token budget. A prompt whose
+        # logprobs are wanted needs every position's logits: its chunk runs in a forward of its own.
         budget = max(self.cfg.block_size, self.cfg.max_num_batched_tokens - sum(1 + len(r.draft) for r in rounds))
-        if self.batching and rounds and (len(rounds) > 1 or chunk_state is not None):
-            if self.run_batched(rounds, chunk_state, budget):
-                return
+        shared = chunk_state if chunk_state is not None and chunk_state.request.sampling.prompt_logprobs is None \
+            else None
+        if self.batching and rounds and (len(rounds) > 1 or shared is not None):
+            if self.run_batched(rounds, shared, budget):
+                rounds = []
+                chunk_state = None if shared is not None else chunk_state
         for r in rounds:
             self.guarded(r.state, self.verify_alone, r)
         if chunk_state is not None and chunk_state.req_id in self.requests:
@@ -390,8 +422,8 @@ class TargetWorker:
         """Apply the request's verification rule to its block's logits, crop what was rejected, commit.
         `verify_s`: the forward's time; `share_s`: this request's part of it when batched (StepCost)."""
         state, draft, req = r.state, r.draft, r.state.request
-        verdict = verify_block(ruled(state, result, draft, self.runner.head), draft, req.sampling, state.draws,
-                               state.cached_positions + 1)
+        decided = ruled(state, result, draft, self.runner.head)
+        verdict = verify_block(decided, draft, req.sampling, state.draws, state.cached_positions + 1)
         self.runner.rollback(state.cache, len(draft) - verdict.accepted, result)
         state.last_verify_s = verify_s
         state.verify_share_s = share_s
@@ -405,7 +437,8 @@ class TargetWorker:
             self.lookup.observe(len(draft), verdict.accepted, share_s)
         committed = draft[: verdict.accepted] + [verdict.token]
         hidden = result.hidden[: verdict.accepted + 1] if result.hidden is not None else None
-        self.commit(state, committed, verdict.accepted, stats, hidden)
+        self.commit(state, committed, verdict.accepted, stats, hidden,
+                    logprobs=self.round_logprobs(state, result, decided, committed))
 
     def local_drafts(self, state: RequestState) -> list[int]:
         """The drafts of a round the target runs without the drafter: none for "ar", prompt lookup for "ngram"."""
@@ -414,15 +447,18 @@ class TargetWorker:
         return self.lookup.propose(state.request.prompt_ids + state.output_ids, self.max_drafts(state), state.round)
 
     def commit(self, state: RequestState, tokens: list[int], accepted: int, stats: RoundStats | None,
-               hidden: torch.Tensor | None, prefill: bool = False) -> None:
-        """Append committed tokens up to the first stop condition, report them, ask for the next block.
+               hidden: torch.Tensor | None, prefill: bool = False, logprobs: TokenLogprobs | None = None) -> None:
+        """Append committed tokens up to the first stop condition, report them (with their `logprobs`, when
+        wanted), ask for the next block.
 
         `stats` is None for the prefill, which commits its first token without verifying a block."""
         emitted, reason = self.apply_stops(state, tokens)
         self.step_tokens += len(emitted)
         self.send_to_api.send(TokenOutput(
             req_id=state.req_id, token_ids=emitted, finished=reason is not None, finish_reason=reason,
-            rounds=[stats] if stats else [], prompt_tokens=len(state.request.prompt_ids) if prefill else 0))
+            rounds=[stats] if stats else [], prompt_tokens=len(state.request.prompt_ids) if prefill else 0,
+            logprobs=logprobs.head(len(emitted)) if logprobs is not None else None,
+            prompt_logprobs=state.take_prompt_logprobs() if prefill else None))
         if reason is not None:
             self.drop(state.req_id)
             return

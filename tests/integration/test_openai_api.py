@@ -75,7 +75,7 @@ BAD_REQUESTS = [
     ({"logit_bias": {"42": 101}}, "logit_bias"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": 5}, "min_tokens"),  # more than max_tokens
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({"some_vendor_field": 1}, "some_vendor_field"),
 ]
 
@@ -184,3 +184,83 @@ def test_logit_rules_shape_the_output(client):
     assert forced.choices[0].message.content == tokenizer.decode(blue * 8) and forced.usage.completion_tokens == 8
     penalized = client.chat.completions.create(**base, extra_body={"repetition_penalty": 2.0})
     assert penalized.choices[0].message.content != plain
+
+
+def test_chat_logprobs_through_the_client(client):
+    """Each generated token with its logprob, bytes and top 3; at T=0 each token is its position's most likely."""
+    out = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+                                         messages=[{"role": "user", "content": "Name three colours."}])
+    choice = out.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == out.usage.completion_tokens == 12 and choice.finish_reason == "length"
+    assert b"".join(bytes(e.bytes) for e in content) == choice.message.content.encode()
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+
+
+def test_loglikelihood_request_as_lm_eval_sends_it(client):
+    """lm-eval's local-completions loglikelihood: echo + logprobs + max_tokens 0 scores the prompt's tokens."""
+    prompt = "The capital of France is Paris"
+    out = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0, temperature=0)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text == prompt and "".join(lp.tokens) == prompt and out.usage.completion_tokens == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v < 0 for v in lp.token_logprobs[1:])
+    assert all(token in top and len(top) <= 2 for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert lp.token_logprobs[-1] > -3  # " Paris" is likely after "The capital of France is"
+
+
+def test_n_choices_through_the_client(client):
+    """n=3: three choices, the texts of seeds 5, 6, 7. In fp32 each equals the same request sent alone with its seed;
+    in bf16 choices served side by side run forwards of other shapes than a request alone, whose rounding can move
+    a sampled token (README, "Seeds"), so there only the shape of the answer is checked."""
+    import torch
+
+    from support.suite_dtype import resolved_suite_dtype
+
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a short story."}], max_tokens=16,
+                  temperature=1.0)
+    out = client.chat.completions.create(n=3, seed=5, **kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2] and all(c.message.content for c in out.choices)
+    assert out.usage.completion_tokens == 3 * 16
+    alone = [client.chat.completions.create(seed=5 + i, **kwargs).choices[0].message.content for i in range(3)]
+    assert len(set(alone)) == 3  # three seeds, three texts
+    if resolved_suite_dtype() == torch.float32:
+        assert [c.message.content for c in out.choices] == alone
+
+
+def test_control_token_text_in_a_message_is_tokenized_as_text(client):
+    """"<|im_end|>" typed into a message is its characters, not the turn's end: the prompt grows by the text's
+    pieces (the README: no message can forge a turn)."""
+    from transformers import AutoTokenizer
+
+    from foresight.target_worker.loading import resolve_target
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(None))
+    as_text = tokenizer.encode("<|im_end|>", add_special_tokens=False, split_special_tokens=True)
+    assert len(as_text) > 1
+
+    def prompt_tokens(content: str) -> int:
+        return client.chat.completions.create(model=MODEL, max_tokens=1, temperature=0, messages=[
+            {"role": "user", "content": content}]).usage.prompt_tokens
+
+    assert prompt_tokens("hi<|im_end|>") - prompt_tokens("hi") == len(as_text)
+
+
+def test_chat_prompts_without_control_text_tokenize_as_the_template_gives_them():
+    """The piecewise tokenizing used for messages with control text changes nothing else (the chat set)."""
+    from transformers import AutoTokenizer
+
+    from foresight.bench.prompts import chat_prompts
+    from foresight.server.chat_prompt import piecewise_ids
+    from foresight.target_worker.loading import resolve_target
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(None))
+    for item in chat_prompts()[:40]:
+        want = tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        assert piecewise_ids(tokenizer, item["messages"]) == want

@@ -103,3 +103,38 @@ def test_pipelined_serves_cache_hits(setup, references):
     got = engine.generate(ids, MAX_TOKENS, mode="pipelined", temperature=0.0)
     hits = [r.cache_hit for r in got["rounds"] if r.cache_hit is not None]
     assert hits and any(hits) and not all(hits)
+
+
+LOGPROB_MODES = ["ar", "sync", "pipelined", "ngram", "auto"]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=11)], ids=["greedy", "seeded"])
+def test_logprobs_are_the_same_in_every_mode(setup, references, sampling):
+    """Each committed token's logprob (and its position's top 3) is the target's at that position, whichever mode
+    decided it: equal to a teacher-forced forward over the output, in every mode (fp32)."""
+    model, _, engine = setup
+    ids = references[0][0]
+    got = {mode: engine.generate(ids, 48, mode=mode, logprobs=3, **sampling) for mode in LOGPROB_MODES}
+    tokens = got["ar"]["tokens"]
+    with torch.inference_mode():
+        rows = torch.log_softmax(model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float(), -1)
+    want = rows.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    for mode, result in got.items():
+        assert result["error"] is None and result["tokens"] == tokens, mode
+        values = [v for part in result["logprobs"] for v in part.values]
+        torch.testing.assert_close(torch.tensor(values), want, atol=2e-4, rtol=0, msg=mode)
+        top = [ids for part in result["logprobs"] for ids in part.top_ids]
+        assert top == rows.topk(3, -1).indices.tolist(), mode
+    assert any(len(part) > 1 for part in got["pipelined"]["logprobs"])  # rounds that committed several tokens
+
+
+def test_a_prompt_scored_alone_gets_a_teacher_forced_forwards_logprobs(setup, references):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) as the api sends it to the engine."""
+    model, _, engine = setup
+    ids = references[1][0] + references[1][1][:20]
+    got = engine.generate(ids, 0, mode="auto", temperature=0.0, prompt_logprobs=1)
+    assert got["error"] is None and got["tokens"] == [] and got["reason"] == "length"
+    with torch.inference_mode():
+        rows = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    want = rows.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(got["prompt_logprobs"].values), want, atol=2e-4, rtol=0)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from foresight.config import DEFAULT_MODEL_NAME, EngineConfig, ServerConfig
-from foresight.protocol.messages import TokenOutput
+from foresight.protocol.messages import TokenLogprobs, TokenOutput
 from foresight.server.app import create_app
 from foresight.server.engine_client import RequestError
 from foresight.server.metrics import ServerMetrics
@@ -56,6 +56,23 @@ def outputs_for(text: str, pieces: int = 2, reason: str = "length") -> list[Toke
     chunks = [ids[i:i + step] for i in range(0, len(ids), step)]
     return [TokenOutput(req_id="", token_ids=c, finished=i == len(chunks) - 1,
                         finish_reason=reason if i == len(chunks) - 1 else None) for i, c in enumerate(chunks)]
+
+
+def fake_logprobs(token_ids: list[int], top: int) -> TokenLogprobs:
+    """Made-up logprobs a test can recognise: token t gets -t/100, its alternatives t+1.. lower ones; token 0
+    gets -inf (what a rule that forbids a token gives)."""
+    return TokenLogprobs(values=[-t / 100 if t else float("-inf") for t in token_ids],
+                         top_ids=[[(t + j) % 256 for j in range(top)] for t in token_ids],
+                         top_values=[[-(t + j) / 100 - 0.5 for j in range(top)] for t in token_ids])
+
+
+def with_logprobs(out: TokenOutput, request, first: bool) -> None:
+    """Attach what the target worker would: the output's logprobs and, on the first output, the prompt's."""
+    sampling = request.sampling
+    if sampling.logprobs is not None and out.logprobs is None:
+        out.logprobs = fake_logprobs(out.token_ids, sampling.logprobs)
+    if sampling.prompt_logprobs is not None and first and out.prompt_logprobs is None:
+        out.prompt_logprobs = fake_logprobs(request.prompt_ids[1:], sampling.prompt_logprobs)
 
 
 @dataclass
@@ -114,8 +131,9 @@ class FakeEngine:
             if self.fail is not None:
                 finished = True
                 raise self.fail
-            for out in self.script(request):
+            for i, out in enumerate(self.script(request)):
                 await asyncio.sleep(0)
+                with_logprobs(out, request, first=i == 0)
                 finished = out.finished
                 yield out
             if not finished and self.hang:

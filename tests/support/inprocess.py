@@ -59,8 +59,10 @@ class InProcessEngine:
         return req_id
 
     def collect(self, req_ids: list[str], timeout_ms: int = 60000) -> dict[str, dict]:
-        """Run until every request finished or failed; per request: tokens, rounds, reason, error."""
-        results = {r: {"tokens": [], "rounds": [], "reason": None, "error": None} for r in req_ids}
+        """Run until every request finished or failed; per request: tokens, rounds, reason, error, the outputs'
+        logprobs (TokenLogprobs each) and the prompt's."""
+        results = {r: {"tokens": [], "rounds": [], "reason": None, "error": None, "logprobs": [],
+                       "prompt_logprobs": None} for r in req_ids}
         pending = set(req_ids)
         while pending:
             msg = self.recv_from_workers.recv(timeout_ms=timeout_ms)
@@ -69,6 +71,10 @@ class InProcessEngine:
                 res = results[msg.req_id]
                 res["tokens"] += msg.token_ids
                 res["rounds"] += msg.rounds
+                if msg.logprobs is not None:
+                    res["logprobs"].append(msg.logprobs)
+                if msg.prompt_logprobs is not None:
+                    res["prompt_logprobs"] = msg.prompt_logprobs
                 if msg.finished:
                     res["reason"] = msg.finish_reason
                     pending.discard(msg.req_id)

@@ -80,3 +80,19 @@ def test_logit_rules_that_move_the_maximum_are_decided_in_fp32():
     assert int(want.argmax()) == lifted and int(twice.argmax()) == lifted
     torch.testing.assert_close(twice[0, lifted], want[0, lifted], atol=1e-5, rtol=1e-5)
     assert not torch.equal(once[0, lifted], want[0, lifted])  # the lifted token was a bf16 value before
+
+
+def test_exact_columns_recomputes_just_the_named_entries_in_fp32():
+    """What logprobs report of a bf16 target (target_worker/logprobs.py): the named entries equal the full fp32
+    head's, every other entry is left as it was."""
+    model = tiny_model("llama", varied=True).to(torch.bfloat16)
+    full, top = TargetRunner(model, logits="fp32"), TargetRunner(model, logits="fp32-top")
+    prompt = IDS[0].tolist()
+    exact = full.prefill(full.new_cache(), prompt, keep_logits=len(prompt)).logits  # [12, vocab]
+    result = top.prefill(top.new_cache(), prompt, keep_logits=len(prompt))
+    columns = torch.tensor([[5, 60], [7, 7]] + [[1, 2]] * 10)  # [12, 2], a repeat included
+    got = top.head.exact_columns(result.logits, columns, result.head_input)
+    named = torch.zeros_like(got, dtype=torch.bool).scatter_(-1, columns, True)
+    torch.testing.assert_close(got[named], exact[named], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[~named], result.logits[~named])
+    assert not torch.equal(result.logits[named], exact[named])  # they were not fp32 before
