@@ -24,7 +24,7 @@ from .kinds import Mode, Refinement, Strategy
 PROTOCOL_VERSION = 8  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle.
 # 4: Outcome.verify_share_s. 5: LinearStates in StartDraft and Outcome. 6: WorkerReady.layout (HiddenLayout) in
 # place of its info's hidden_layers and state_layers. 7: Outcome.catch_up. 8: logprobs (SamplingParams,
-# TokenOutput, TokenLogprobs)
+# TokenOutput, TokenLogprobs) and SamplingParams.grammar
 
 MESSAGE_TYPES: dict[str, type] = {}
 
@@ -65,6 +65,8 @@ class SamplingParams:
     # alternatives', of the generated tokens (`logprobs`) and of the prompt's (`prompt_logprobs`)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured output: an llguidance grammar (server/structured.py) every committed token must follow
+    grammar: str | None = None
 
 
 @message

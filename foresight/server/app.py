@@ -163,8 +163,9 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
             return error(429, f"the server is busy: {engine.waiting} requests are already waiting")
         runner: RequestRunner = state["runner"]
         try:
+            structure = runner.structure(body)
             prompt_ids, param = await runner.tokenize(body)
-            requests = runner.build_choices(body, prompt_ids, param, req_id=rid)
+            requests = runner.build_choices(body, prompt_ids, param, rid, structure)
         except BadRequest as exc:
             metrics.record_failure("bad_request")
             return error(400, str(exc), exc.param)
@@ -180,7 +181,7 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
         except (KVBudgetExceeded, QueueFull, EngineUnavailable) as exc:
             discard_all(requests)
             return refused(exc)
-        job = Job(runner, body, requests, chat, rid, deadline, timeout_s, cfg.idle_timeout_s or None)
+        job = Job(runner, body, requests, chat, rid, deadline, timeout_s, cfg.idle_timeout_s or None, structure)
         if body.stream:
             return AdmittedStream(stream(job), lambda: discard_all(requests), media_type="text/event-stream")
         try:

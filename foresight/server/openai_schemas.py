@@ -107,8 +107,7 @@ NEUTRAL_ONLY: dict[str, tuple] = {
     # both routes (vLLM's extensions)
     "min_p": (None, 0.0), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     # chat (OpenAI)
-    "response_format": (None, {"type": "text"}), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"), "audio": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,),
     "verbosity": (None,), "store": (None, False), "service_tier": (None, "auto", "default"),
     # chat (vLLM's extensions)
@@ -132,6 +131,51 @@ def refuse_unless_neutral(value: Any, field: str, neutral: dict[str, tuple] = NE
         raise ValueError(f"{field} is not supported by this server (accepted only absent{shown}, which asks for "
                          f"nothing)")
     return value
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None  # enforced either way
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: StrictBool | None = None  # enforced either way
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class SamplingFields(BaseModel):
@@ -255,9 +299,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, gt=0)
     logprobs: StrictBool | None = None
     top_logprobs: TopCount | None = None  # needs logprobs: true
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolSpec] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -271,9 +315,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: Any = None
     continue_final_message: Any = None
     echo: Any = None  # vLLM's
-    # Accepted as they come: they never change what is generated (no tools are ever called; ids for the
-    # provider's logs and caches).
-    parallel_tool_calls: StrictBool | None = None
+    parallel_tool_calls: StrictBool | None = None  # tool_choice required: false = exactly one call
+    # Accepted as they come: they never change what is generated (ids for the provider's logs and caches).
     metadata: dict[str, Text] | None = None
     prompt_cache_key: Text | None = None
     safety_identifier: Text | None = None

@@ -18,6 +18,7 @@ from ..protocol.messages import GenerateRequest, RoundStats, SamplingParams, Tok
 from .detokenizer import IncrementalDetokenizer
 from .engine_client import EngineClient, RequestError
 from .chat_prompt import ContentNotKept, added_token_texts, chat_prompt_ids
+from .structured import Structure, StructureError, structure_of, with_tool_prompt
 from .logprobs import TokenTexts
 from .openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -181,6 +182,7 @@ class RequestRunner:
         from jinja2 import TemplateError
 
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        messages = with_tool_prompt(messages, body)
         try:
             return chat_prompt_ids(self.tokenizer, messages, self.split_special, self.controls)
         except ContentNotKept as exc:
@@ -192,7 +194,8 @@ class RequestRunner:
             raise BadRequest("messages could not be formatted with the chat template", "messages")
 
     def build(self, body: SamplingFields, prompt_ids: list[int], prompt_param: str,
-              req_id: str | None = None) -> GenerateRequest:
+              req_id: str | None = None, structure: Structure | None = None) -> GenerateRequest:
+        """The engine request of `body` (`structure`: its structure_of, when the caller has it already)."""
         n_prompt = len(prompt_ids)
         if n_prompt >= self.max_model_len:
             raise BadRequest(f"the prompt has {n_prompt} tokens; this model's context length is "
@@ -218,7 +221,8 @@ class RequestRunner:
             nucleus_threshold=body.nucleus_threshold if body.nucleus_threshold is not None else cfg.nucleus_threshold,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, logit_bias=bias, min_tokens=body.min_tokens,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            grammar=(structure if structure is not None else self.structure(body)).grammar)
         return GenerateRequest(req_id=req_id or f"{prompt_param[:4]}-{uuid.uuid4().hex[:16]}", prompt_ids=prompt_ids,
                                max_tokens=max_tokens, sampling=sampling, ignore_eos=body.ignore_eos,
                                stop_token_ids=list(body.stop_token_ids or []))
@@ -228,11 +232,18 @@ class RequestRunner:
         prompt = single_prompt(body)
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
-    def build_choices(self, body: SamplingFields, prompt_ids: list[int], prompt_param: str,
-                      req_id: str) -> list[GenerateRequest]:
+    def structure(self, body: SamplingFields) -> Structure:
+        """What the output must be (response_format, tools), its grammar compiled (structured.py)."""
+        try:
+            return structure_of(body)
+        except StructureError as exc:
+            raise BadRequest(str(exc), exc.param) from None
+
+    def build_choices(self, body: SamplingFields, prompt_ids: list[int], prompt_param: str, req_id: str,
+                      structure: Structure) -> list[GenerateRequest]:
         """One engine request per choice (`n`): choice i is request `req_id`-i (choice 0: `req_id`), seeded
         `seed` + i when the body has a seed (else each draws its own)."""
-        first = self.build(body, prompt_ids, prompt_param, req_id)
+        first = self.build(body, prompt_ids, prompt_param, req_id, structure)
         choices = [first]
         for i in range(1, body.n):
             seed = None if body.seed is None else (body.seed + i) % 2**63

@@ -8,6 +8,7 @@ import torch
 
 from ..protocol.kinds import Mode, Strategy
 from ..protocol.messages import GenerateRequest, TokenLogprobs
+from .grammar import GrammarState
 from .logit_rules import LogitRules
 from .sampling import PositionDraws
 from .strategy_choice import LOCAL_STRATEGIES, RequestChoice
@@ -59,6 +60,7 @@ class RequestState:
     arrived_at: float = field(default_factory=time.perf_counter)
     rules: LogitRules | None = None  # its logit bias, penalties and min_tokens (None: none)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # its prefill chunks', until sent
+    grammar: GrammarState | None = None  # structured output: the grammar's state after the output (None: none)
 
     @property
     def req_id(self) -> str:

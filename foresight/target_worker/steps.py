@@ -49,18 +49,40 @@ def verify_block(logits: torch.Tensor, draft: list[int], sampling, draws: Positi
 
 
 def ruled(state: RequestState, result, draft: list[int], head) -> torch.Tensor:
-    """The request's logit rules (logit_rules.py) applied to its round's logits `result.logits` [len(draft) + 1,
-    vocab] (`ruled_logits`)."""
-    return result.logits if state.rules is None else ruled_logits(state.rules, state.output_ids, result, draft, head)
+    """The request's logit rules (logit_rules.py) and grammar (grammar.py) applied to its round's logits
+    `result.logits` [len(draft) + 1, vocab] (`decided_with`)."""
+    if state.rules is None and state.grammar is None:
+        return result.logits
+    apply = None if state.rules is None else partial(state.rules.apply, output_ids=state.output_ids, draft=draft)
+    if state.grammar is not None:
+        apply = masked(apply, state.grammar.masks(draft))
+    return decided_with(apply, result, head)
+
+
+def masked(rules, allowed: torch.Tensor):
+    """`rules` (None: none) followed by -inf at the tokens `allowed` [rows, vocab] (bool) rules out."""
+    def apply(logits: torch.Tensor) -> torch.Tensor:
+        return (logits.float() if rules is None else rules(logits)).masked_fill(~allowed, float("-inf"))
+    return apply
 
 
 def ruled_logits(rules: LogitRules, output_ids: list[int], result, draft: list[int], head) -> torch.Tensor:
-    """`rules` applied to a forward's logits `result.logits` [len(draft) + 1, vocab] after `output_ids`; with a
-    low-precision target's fp32 head (`head`, runner.head), refined again near the ruled maxima."""
-    apply = partial(rules.apply, output_ids=output_ids, draft=draft)
+    """`rules` applied to a forward's logits `result.logits` [len(draft) + 1, vocab] after `output_ids`."""
+    return decided_with(partial(rules.apply, output_ids=output_ids, draft=draft), result, head)
+
+
+def decided_with(apply, result, head) -> torch.Tensor:
+    """`apply` (row-wise rules) on a forward's logits; with a low-precision target's fp32 head (`head`,
+    runner.head), refined again near the ruled maxima (`Fp32LogitHead.refine_ruled`)."""
     if head is None or result.head_input is None:
         return apply(result.logits)
     return head.refine_ruled(result.logits, result.head_input, apply)
+
+
+def take_verdict(state: RequestState, verdict: Verdict) -> None:
+    """What the request's own state follows of a verdict: its grammar takes the accepted drafts and the token."""
+    if state.grammar is not None:
+        state.grammar.commit(verdict.accepted, verdict.token)
 
 
 def last_row(result):

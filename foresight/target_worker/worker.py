@@ -52,7 +52,7 @@ from ..protocol.transport import default_transport
 from ..models.compiled_step import compiled_step_for
 from ..models.quantization import apply_quantization
 from .cpu_linear import use_cpu_linears
-from .loading import cache_root, load_target, resolve_dtype, resolve_target
+from .loading import cache_root, load_target, load_tokenizer, resolve_dtype, resolve_target
 from .packed_step import packed_attention
 from .sampling import PositionDraws
 from .load_policy import LoadPolicy
@@ -63,7 +63,8 @@ from .step_cost import StepCost
 from .step_threads import StepThreads, drafter_busy, winding_down_only
 from .logit_rules import LogitRules
 from .logprobs import committed_logprobs, prompt_chunk_logprobs
-from .steps import RoundDrafts, StepPlan, drafter_seed, eos_ids, last_row, ruled, verify_block
+from .grammar import GrammarError, GrammarState, grammar_tokenizer
+from .steps import RoundDrafts, StepPlan, drafter_seed, eos_ids, last_row, ruled, take_verdict, verify_block
 from .strategy_choice import LOCAL_STRATEGIES, StrategyChooser, request_group, round_context
 
 log = logging.getLogger("foresight.target")
@@ -83,10 +84,11 @@ NGRAM_STRATEGIES = (Strategy.SYNC,)
 class TargetWorker:
     def __init__(self, cfg: EngineConfig, addrs: WorkerAddresses, runner: TargetRunner, ctx: zmq.Context,
                  eos_token_ids: list[int], max_model_len: int, strategies: tuple[Strategy, ...] = NGRAM_STRATEGIES,
-                 auto_strategies: tuple[Strategy, ...] = (), threads: StepThreads | None = None):
+                 auto_strategies: tuple[Strategy, ...] = (), threads: StepThreads | None = None, tokenizer=None):
         """`strategies`: the drafting strategies the drafter offers; `auto_strategies`: those of them mode auto
         picks from (besides local prompt lookup, "ngram"); `threads`: sets the thread count of each step
-        (the worker process; None leaves torch's setting alone, as a worker run in a thread must)."""
+        (the worker process; None leaves torch's setting alone, as a worker run in a thread must); `tokenizer`:
+        the target's (Hugging Face), for requests with a grammar (None: such requests fail with a 400)."""
         self.cfg = cfg
         self.threads = threads
         # Parsed here: they come as the drafter's ready message names them (strings).
@@ -105,6 +107,8 @@ class TargetWorker:
         self.policy = LoadPolicy() if self.batching else None  # whether rounds may draft under load
         self.step_tokens, self.step_ended = 0, time.perf_counter()  # tokens committed in the step; its end
         self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
+        self._grammar_tokenizer = None  # llguidance's view of `tokenizer`, made at the first grammar (~0.3 s)
         self.max_model_len = max_model_len
         self.recv_from_api = MessageSocket(ctx, zmq.PULL, addrs.api_to_target, bind=False)
         self.send_to_api = MessageSocket(ctx, zmq.PUSH, addrs.workers_to_api, bind=False)
@@ -246,8 +250,25 @@ class TargetWorker:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.seed_rng))
         strategy = Strategy(mode) if mode in LOCAL_STRATEGIES else Strategy.AR  # the first round's
+        try:
+            grammar = self.grammar_of(req)
+        except Exception as exc:  # the api validated it: this is a grammar its matcher cannot start from
+            log.warning("request %s: its grammar was refused: %s", req.req_id, exc)
+            self.send_to_api.send(RequestFailed(req_id=req.req_id, status=400, error=f"response_format: {exc}"))
+            return
         self.requests[req.req_id] = RequestState(request=req, mode=mode, draws=PositionDraws(seed), strategy=strategy,
-                                                 rules=LogitRules.of(req.sampling, req.prompt_ids, self.stop_ids(req)))
+                                                 rules=LogitRules.of(req.sampling, req.prompt_ids, self.stop_ids(req)),
+                                                 grammar=grammar)
+
+    def grammar_of(self, req: GenerateRequest) -> GrammarState | None:
+        """The request's grammar state (None: it has none)."""
+        if req.sampling.grammar is None:
+            return None
+        if self.tokenizer is None:
+            raise GrammarError("this worker was started without the tokenizer structured output needs")
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
+        return GrammarState(self._grammar_tokenizer, req.sampling.grammar, self.runner.vocab_size)
 
     def on_abort(self, msg: AbortRequest) -> None:
         if msg.req_id in self.requests:
@@ -329,6 +350,7 @@ class TargetWorker:
         state.prefill_hidden = []
         decided = ruled(state, result, [], self.runner.head)
         verdict = verify_block(decided, [], req.sampling, state.draws, len(req.prompt_ids))
+        take_verdict(state, verdict)
         logprobs = self.round_logprobs(state, result, decided, [verdict.token])
         if state.mode not in LOCAL_STRATEGIES:
             state.drafting = self.to_drafter(StartDraft(
@@ -424,6 +446,7 @@ class TargetWorker:
         state, draft, req = r.state, r.draft, r.state.request
         decided = ruled(state, result, draft, self.runner.head)
         verdict = verify_block(decided, draft, req.sampling, state.draws, state.cached_positions + 1)
+        take_verdict(state, verdict)
         self.runner.rollback(state.cache, len(draft) - verdict.accepted, result)
         state.last_verify_s = verify_s
         state.verify_share_s = share_s
@@ -588,4 +611,4 @@ def main(cfg_dict: dict, addrs_dict: dict, layout_dict: dict, strategies: list[s
         runner = TargetRunner(model, layout, compiled=compiled)
         max_len = cfg.max_model_len or model.config.max_position_embeddings
         TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),
-                     tuple(auto_strategies), threads).run()
+                     tuple(auto_strategies), threads, tokenizer=load_tokenizer(path)).run()

@@ -69,9 +69,10 @@ BAD_REQUESTS = [
     ({"verification": "sometimes"}, "verification"),
     ({"n": 3}, "n"),
     ({"max_tokens": 100000}, "max_tokens"),
-    # once silently ignored: refused until they are built
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    # once silently ignored; now built, and refused where they cannot be honoured
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),  # auto
     ({"logit_bias": {"42": 101}}, "logit_bias"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": 5}, "min_tokens"),  # more than max_tokens

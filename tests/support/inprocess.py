@@ -22,10 +22,11 @@ from foresight.target_worker.worker import TargetWorker
 
 class InProcessEngine:
     def __init__(self, model, cfg: EngineConfig | None = None, max_model_len: int | None = None, proposer=None,
-                 foresight_to_completion: bool = False, compiled=None):
+                 foresight_to_completion: bool = False, compiled=None, tokenizer=None):
         """`foresight_to_completion`: foresight jobs ignore waiting messages and run every planned stage (a
         tiny model verifies so fast that the next outcome would cut most of them short, which tests that
-        count refreshes or cache hits must not depend on). `compiled`: the target's `CompiledStep`."""
+        count refreshes or cache hits must not depend on). `compiled`: the target's `CompiledStep`.
+        `tokenizer`: the target's, for requests with a grammar."""
         self.cfg = cfg or EngineConfig(drafter="ngram")
         self.addrs = WorkerAddresses.fresh()
         self.ctx = zmq.Context()
@@ -39,7 +40,8 @@ class InProcessEngine:
         self.target = TargetWorker(self.cfg, self.addrs, runner, self.ctx, eos_ids(model),
                                    max_model_len or model.config.max_position_embeddings,
                                    strategies=tuple(self.drafter.strategies),
-                                   auto_strategies=tuple(auto_strategies(self.drafter.strategies)))
+                                   auto_strategies=tuple(auto_strategies(self.drafter.strategies)),
+                                   tokenizer=tokenizer)
         self.threads = [threading.Thread(target=w.run, daemon=True) for w in (self.drafter, self.target)]
         for t in self.threads:
             t.start()

@@ -174,9 +174,7 @@ def test_request_limits(field, value, message):
 # Fields we do not implement: each refused with a 400 naming it (the request never reaches the engine), and
 # accepted at the value that asks for nothing.
 UNSUPPORTED = [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}, {"type": "text"}),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], []),
-    ("/v1/chat/completions", "tool_choice", "required", "none"), ("/v1/chat/completions", "store", True, False),
+    ("/v1/chat/completions", "store", True, False),
     ("/v1/chat/completions", "echo", True, False), ("/v1/chat/completions", "min_p", 0.1, 0.0),
     ("/v1/chat/completions", "include_stop_str_in_output", True, False),
     ("/v1/completions", "best_of", 2, 1),

@@ -1,0 +1,142 @@
+"""Structured output: `response_format` and `tools` / `tool_choice` -> the grammar the target applies at every
+verified position (target_worker/grammar.py), and a choice's text -> OpenAI's `tool_calls`.
+
+The grammar engine is llguidance (chosen over xgrammar by measurement, docs/status.md "Structured output": both mask
+SmolLM2's vocabulary in well under 0.1 ms a token, and llguidance installs without dependencies where xgrammar
+pulls triton). JSON is generated compact (", " and ": " between items, no other whitespace), so a small model
+cannot wander into whitespace.
+
+- `response_format` `json_object`: any JSON object; `json_schema`: that schema (`strict` or not, it is enforced).
+- `tools` with `tool_choice` `required`: a JSON array of one or more calls `{"name": ..., "arguments": {...}}` of
+  the tools (one call, not an array, with `parallel_tool_calls: false`); a named function: that function's
+  arguments alone; `none`: the tools are neither described nor called. `auto` (OpenAI's default when tools are
+  given) needs the model's own tool-call format and a parser for it, which this server does not have: a 400.
+- The tools are described to the model in a system message (`tool_prompt`) unless the chat template renders
+  them itself.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT = {"type": "object"}
+
+
+class StructureError(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class Structure:
+    """What a request's output must be."""
+
+    grammar: str | None = None  # llguidance grammar (None: free text)
+    tools: tuple[dict, ...] = ()  # the functions the output calls (OpenAI `function` objects); () = no calls
+    named: str | None = None  # tool_choice names this function: the output is its arguments
+    parallel: bool = True  # tool_choice required: an array of calls (else one call)
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools)
+
+
+def structure_of(body) -> Structure:
+    """The structure a chat or completions body asks for (StructureError naming the field if it cannot be)."""
+    fmt = getattr(body, "response_format", None)
+    schema = None
+    if fmt is not None and fmt.type == "json_object":
+        schema = ANY_OBJECT
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else ANY_OBJECT
+    tools = _tool_structure(body)
+    if schema is not None and tools.calls_tools:
+        raise StructureError("response_format and a tool call cannot both shape one answer", "response_format")
+    if schema is not None:
+        return Structure(grammar=compiled(schema, "response_format"))
+    return tools
+
+
+def _tool_structure(body) -> Structure:
+    tools = [t.function.model_dump(exclude_none=True) for t in getattr(body, "tools", None) or []]
+    choice = getattr(body, "tool_choice", None)
+    if not tools:
+        if choice not in (None, "none"):
+            raise StructureError("tool_choice needs tools", "tool_choice")
+        return Structure()
+    if choice in (None, "auto"):
+        raise StructureError("tool_choice 'auto' (the default with tools) needs the model's own tool-call format, "
+                             "which this server cannot parse; send tool_choice 'required', a named function, or "
+                             "'none'", "tool_choice")
+    if choice == "none":
+        return Structure()
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": _parameters(t)},
+                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        parallel = getattr(body, "parallel_tool_calls", None) is not False
+        schema = {"type": "array", "items": call, "minItems": 1} if parallel else call
+        return Structure(grammar=compiled(schema, "tools"), tools=tuple(tools), parallel=parallel)
+    named = [t for t in tools if t["name"] == choice.function.name]
+    if not named:
+        raise StructureError(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
+    return Structure(grammar=compiled(_parameters(named[0]), "tools"), tools=tuple(named), named=named[0]["name"])
+
+
+def _parameters(tool: dict) -> dict:
+    return tool.get("parameters") or {"type": "object", "properties": {}}
+
+
+def compiled(schema: dict, param: str) -> str:
+    """The llguidance grammar of a JSON schema, validated (StructureError naming `param` if the engine cannot
+    compile it)."""
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
+    except (ValueError, TypeError) as exc:
+        raise StructureError(f"{param}: the schema is not valid JSON: {exc}", param) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise StructureError(f"{param}: the schema cannot be compiled: {error.strip()[:500]}", param)
+    return grammar
+
+
+def tool_prompt(tools: tuple[dict, ...], named: str | None) -> str:
+    """A system message describing the tools to a model whose chat template does not."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    if named is not None:
+        return f"Call the function {named}. Answer with its arguments as one JSON object.\nFunction:\n{listed}"
+    return ("You can call functions. Answer with a JSON list of calls, each {\"name\": ..., \"arguments\": {...}}.\n"
+            f"Functions:\n{listed}")
+
+
+def with_tool_prompt(messages: list[dict], body) -> list[dict]:
+    """`messages` with the tools described in the system message, when the request may call them."""
+    tools = [t.function.model_dump(exclude_none=True) for t in getattr(body, "tools", None) or []]
+    choice = getattr(body, "tool_choice", None)
+    if not tools or choice in (None, "none", "auto"):
+        return messages
+    named = None if isinstance(choice, str) else choice.function.name
+    note = tool_prompt(tuple(t for t in tools if named in (None, t["name"])), named)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}, *messages[1:]]
+    return [{"role": "system", "content": note}, *messages]
+
+
+def tool_calls(text: str, structure: Structure) -> list[dict] | None:
+    """OpenAI `tool_calls` of a finished choice's text (None: the text is not a complete call, e.g. cut short)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if structure.named is not None:
+        calls = [{"name": structure.named, "arguments": value}]
+    else:
+        calls = value if structure.parallel else [value]
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+            for c in calls]
