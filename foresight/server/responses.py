@@ -15,8 +15,8 @@ from fastapi.responses import Response
 
 from ..protocol.messages import GenerateRequest
 from .errors import AsciiJSONResponse, ClientGone, failure_body
-from .lifetime import guarded, merged
 from .choice import Choice
+from .lifetime import guarded, merged
 from .logprobs import ChoiceLogprobs
 from .serving import RequestRunner, SpecTally, sse
 from .structured import Structure
@@ -47,11 +47,17 @@ class Job:
         return {"id": self.rid, "object": kind, "created": int(time.time()), "model": self.runner.model_name}
 
     def choices(self) -> list[Choice]:
-        wants = [r.sampling.logprobs is not None or r.sampling.prompt_logprobs is not None for r in self.requests]
-        echo = self.runner.echo_text(self.body, self.requests[0].prompt_ids) if not self.chat and self.body.echo \
-            else None
-        return [Choice(i, r, self.chat, self.structure, ChoiceLogprobs(self.runner.token_texts, self.chat) if w
-                       else None, echo) for i, (r, w) in enumerate(zip(self.requests, wants))]
+        echo = None
+        if not self.chat and self.body.echo:
+            echo = self.runner.echo_text(self.body, self.requests[0].prompt_ids)
+        return [Choice(i, request, self.chat, self.structure, self.logprobs_of(request), echo)
+                for i, request in enumerate(self.requests)]
+
+    def logprobs_of(self, request: GenerateRequest) -> ChoiceLogprobs | None:
+        sampling = request.sampling
+        if sampling.logprobs is None and sampling.prompt_logprobs is None:
+            return None
+        return ChoiceLogprobs(self.runner.token_texts, self.chat)
 
     def usage(self, choices: list[Choice]) -> dict:
         """The prompt once, the choices' completions summed (OpenAI's usage of n choices)."""

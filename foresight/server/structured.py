@@ -97,9 +97,9 @@ def compiled(schema: dict, param: str) -> str:
 
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
-    except (ValueError, TypeError) as exc:
-        raise StructureError(f"{param}: the schema is not valid JSON: {exc}", param) from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except Exception as exc:  # whatever the engine makes of a client's schema, it is the client's to fix
+        raise StructureError(f"{param}: the schema cannot be compiled: {exc}"[:600], param) from None
     if error:
         raise StructureError(f"{param}: the schema cannot be compiled: {error.strip()[:500]}", param)
     return grammar
