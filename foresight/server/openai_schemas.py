@@ -45,13 +45,16 @@ def _content_part_text(i: int, part: Any) -> str:
         raise ValueError(f"content part {i} must be an object")
     if part.get("type") != "text":
         raise ValueError(f"content part {i}: only parts of type 'text' are supported")
+    unknown = sorted(set(part) - {"type", "text"})
+    if unknown:
+        raise ValueError(f"content part {i}: {', '.join(unknown)} not supported (a text part has type and text)")
     text = part.get("text")
     if not isinstance(text, str):
         raise ValueError(f"content part {i}: 'text' must be a string")
     return _valid_unicode(text)
 
 
-# The roles a message may have: OpenAI's, less those of tool calling (not built). "developer" is OpenAI's newer
+# The roles a message may have: OpenAI's, less "tool" (tool results sent back: not built). "developer" is OpenAI's newer
 # name for "system", and is rendered as one.
 ROLES = ("system", "developer", "user", "assistant")
 # Message fields of OpenAI's that we do not build, and the values (what a client echoes back from an earlier
@@ -76,7 +79,8 @@ class ChatMessage(BaseModel):
     @classmethod
     def _role(cls, v):
         if v not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)} (tool calling is not supported), got {v!r}")
+            raise ValueError(f"role must be one of {', '.join(ROLES)} (tool results cannot be sent back yet), "
+                             f"got {v!r}")
         return v
 
     @field_validator(*MESSAGE_NEUTRAL, mode="before")
