@@ -67,7 +67,7 @@ BAD_REQUESTS = [
     ({"top_p": 1.5}, "top_p"),
     ({"nucleus_threshold": 0}, "nucleus_threshold"),
     ({"verification": "sometimes"}, "verification"),
-    ({"n": 3}, "n"),
+    ({"n": 17}, "n"),
     ({"max_tokens": 100000}, "max_tokens"),
     # once silently ignored; now built, and refused where they cannot be honoured
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
