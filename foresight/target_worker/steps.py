@@ -55,8 +55,21 @@ def ruled(state: RequestState, result, draft: list[int], head) -> torch.Tensor:
         return result.logits
     apply = None if state.rules is None else partial(state.rules.apply, output_ids=state.output_ids, draft=draft)
     if state.grammar is not None:
-        apply = masked(apply, state.grammar.masks(draft))
+        allowed = state.grammar.masks(draft)  # [len(draft) + 1, vocab]
+        if apply is None:
+            return grammar_only(result, allowed, head)
+        apply = masked(apply, allowed)
     return decided_with(apply, result, head)
+
+
+def grammar_only(result, allowed: torch.Tensor, head) -> torch.Tensor:
+    """The logits with -inf outside the grammar (`allowed` [rows, vocab]). Where every row's maximum is allowed, the
+    entries near it are the ones the runner refined already (a mask only lowers the others), so the fp32 refinement
+    runs again only for rows whose maximum the grammar forbids."""
+    out = result.logits.float().masked_fill(~allowed, float("-inf"))
+    if head is None or result.head_input is None or allowed.gather(-1, result.logits.argmax(-1, keepdim=True)).all():
+        return out
+    return decided_with(masked(None, allowed), result, head)
 
 
 def masked(rules, allowed: torch.Tensor):

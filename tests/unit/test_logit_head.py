@@ -96,3 +96,27 @@ def test_exact_columns_recomputes_just_the_named_entries_in_fp32():
     torch.testing.assert_close(got[named], exact[named], atol=1e-5, rtol=1e-5)
     assert torch.equal(got[~named], result.logits[~named])
     assert not torch.equal(result.logits[named], exact[named])  # they were not fp32 before
+
+
+@pytest.mark.parametrize("keeps_max", [True, False], ids=["max-allowed", "max-forbidden"])
+def test_a_grammar_mask_is_decided_on_fp32_logits(keeps_max):
+    """A grammar mask alone (steps.grammar_only): the allowed maximum is decided on its fp32 logit, whether the mask
+    keeps the row's maximum (the runner's refinement covers it) or forbids it and the 20th-best token is the best
+    allowed (refined again)."""
+    from foresight.target_worker.steps import grammar_only
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    full, top = TargetRunner(model, logits="fp32"), TargetRunner(model, logits="fp32-top")
+    prompt = IDS[0].tolist()
+    exact = full.prefill(full.new_cache(), prompt).logits  # [1, vocab]
+    result = top.prefill(top.new_cache(), prompt)
+    order = exact[0].argsort(descending=True)
+    allowed = torch.zeros_like(exact, dtype=torch.bool)
+    kept = order[[0, 5, 9]] if keeps_max else order[19:40]
+    allowed[0, kept] = True
+    got = grammar_only(result, allowed, top.head)
+    best = int(kept[0])
+    assert int(got.argmax()) == best and torch.isinf(got[~allowed]).all()
+    torch.testing.assert_close(got[0, best], exact[0, best], atol=1e-5, rtol=1e-5)
+    if not keeps_max:
+        assert not torch.equal(result.logits[0, best], exact[0, best])  # a bf16 value before the second refinement
