@@ -54,13 +54,28 @@ def _content_part_text(i: int, part: Any) -> str:
     return _valid_unicode(text)
 
 
-# The roles a message may have: OpenAI's, less "tool" (tool results sent back: not built). "developer" is OpenAI's newer
-# name for "system", and is rendered as one.
-ROLES = ("system", "developer", "user", "assistant")
+# The roles a message may have: OpenAI's. "developer" is OpenAI's newer name for "system", and is rendered as one;
+# "tool" carries a tool call's result back (structured.py renders it).
+ROLES = ("system", "developer", "user", "assistant", "tool")
 # Message fields of OpenAI's that we do not build, and the values (what a client echoes back from an earlier
 # answer of ours) that ask for nothing.
-MESSAGE_NEUTRAL = {"name": (None,), "tool_calls": (None, []), "tool_call_id": (None,), "function_call": (None,),
-                   "refusal": (None,), "audio": (None,), "annotations": (None, [])}
+MESSAGE_NEUTRAL = {"name": (None,), "function_call": (None,), "refusal": (None,), "audio": (None,),
+                   "annotations": (None, [])}
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text
+    arguments: Text  # JSON text, as OpenAI returns it
+
+
+class ToolCall(BaseModel):
+    """A call of ours that the client sends back in the assistant message that made it."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: Text
+    type: Literal["function"]
+    function: CalledFunction
 
 
 class ChatMessage(BaseModel):
@@ -68,8 +83,8 @@ class ChatMessage(BaseModel):
     role: Text
     content: Any = None  # a string, a list of text parts, or null; checked below for a clear message
     name: Any = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)  # assistant messages
+    tool_call_id: Text | None = None  # tool messages: the call this result answers
     function_call: Any = None
     refusal: Any = None
     audio: Any = None
@@ -79,9 +94,16 @@ class ChatMessage(BaseModel):
     @classmethod
     def _role(cls, v):
         if v not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)} (tool results cannot be sent back yet), "
-                             f"got {v!r}")
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _tool_fields_where_they_belong(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls belong to an assistant message")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only a tool message, has a tool_call_id")
+        return self
 
     @field_validator(*MESSAGE_NEUTRAL, mode="before")
     @classmethod

@@ -18,7 +18,7 @@ from ..protocol.messages import GenerateRequest, RoundStats, SamplingParams, Tok
 from .detokenizer import IncrementalDetokenizer
 from .engine_client import EngineClient, RequestError
 from .chat_prompt import ContentNotKept, added_token_texts, chat_prompt_ids
-from .structured import Structure, StructureError, structure_of, with_tool_prompt
+from .structured import Structure, StructureError, rendered_message, structure_of, with_tool_prompt
 from .logprobs import TokenTexts
 from .openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -181,7 +181,7 @@ class RequestRunner:
     def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         from jinja2 import TemplateError
 
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        messages = [rendered_message(m) for m in body.messages]
         messages = with_tool_prompt(messages, body)
         try:
             return chat_prompt_ids(self.tokenizer, messages, self.split_special, self.controls)

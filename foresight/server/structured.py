@@ -11,8 +11,8 @@ cannot wander into whitespace.
   the tools (one call, not an array, with `parallel_tool_calls: false`); a named function: that function's
   arguments alone; `none`: the tools are neither described nor called. `auto` (OpenAI's default when tools are
   given) needs the model's own tool-call format and a parser for it, which this server does not have: a 400.
-- The tools are described to the model in a system message (`tool_prompt`) unless the chat template renders
-  them itself.
+- The tools are described to the model in a system message (`tool_prompt`); calls sent back in an assistant
+  message are rendered as the JSON list this server generates, and a `tool` message's result as its content.
 """
 from __future__ import annotations
 
@@ -112,6 +112,24 @@ def tool_prompt(tools: tuple[dict, ...], named: str | None) -> str:
         return f"Call the function {named}. Answer with its arguments as one JSON object.\nFunction:\n{listed}"
     return ("You can call functions. Answer with a JSON list of calls, each {\"name\": ..., \"arguments\": {...}}.\n"
             f"Functions:\n{listed}")
+
+
+def rendered_message(message) -> dict:
+    """A chat message as the template gets it ({"role", "content"}): an assistant message that called tools carries
+    its calls as the JSON list this server generates them in, a tool message its result as its content."""
+    role = "system" if message.role == "developer" else message.role
+    text = message.text()
+    if message.tool_calls:
+        calls = [{"name": c.function.name, "arguments": _json_or_text(c.function.arguments)} for c in message.tool_calls]
+        text = f"{text}\n{json.dumps(calls, ensure_ascii=False)}" if text else json.dumps(calls, ensure_ascii=False)
+    return {"role": role, "content": text}
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def with_tool_prompt(messages: list[dict], body) -> list[dict]:

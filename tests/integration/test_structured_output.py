@@ -80,3 +80,18 @@ def test_a_named_function_streams_its_call(client):
     calls = [tc for chunk in stream if chunk.choices for tc in (chunk.choices[0].delta.tool_calls or [])]
     assert len(calls) == 1 and calls[0].function.name == "get_weather"
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_tool_result_sent_back_gets_an_answer(client):
+    """An agent's loop through the client: the call, its result as a tool message, then the model's answer."""
+    first = ask(client, "What is the weather in Paris?", tools=[WEATHER], tool_choice="required", temperature=0,
+                parallel_tool_calls=False)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"sky": "sunny", "celsius": 21})}]
+    second = client.chat.completions.create(model=MODEL, max_tokens=24, temperature=0, messages=messages,
+                                            tools=[WEATHER], tool_choice="none")
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+    alone = client.chat.completions.create(model=MODEL, max_tokens=1, temperature=0, messages=messages[:1])
+    assert second.usage.prompt_tokens > alone.usage.prompt_tokens + 20  # the call and its result are in the prompt

@@ -121,3 +121,19 @@ def test_tool_choice_none_neither_describes_nor_calls():
     choice = post({**CHAT, "tools": [WEATHER], "tool_choice": "none"}, engine).json()["choices"][0]
     assert choice["message"]["content"] == "hello" and "tool_calls" not in choice["message"]
     assert engine.requests[0].sampling.grammar is None and "get_weather" not in bytes(engine.requests[0].prompt_ids).decode()
+
+
+def test_a_tool_result_goes_back_to_the_model_with_the_call_it_answers():
+    """The loop an agent runs: our call comes back in the assistant message, its result in a tool message; both
+    reach the prompt (the call as the JSON list this server generates)."""
+    engine = Engine(script=says("It is sunny in Paris."))
+    call_ = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call_]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'}]
+    reply = post({**CHAT, "messages": messages, "tools": [WEATHER], "tool_choice": "none"}, engine)
+    assert reply.status == 200, reply.body
+    assert reply.json()["choices"][0]["message"]["content"] == "It is sunny in Paris."
+    prompt = bytes(engine.requests[0].prompt_ids).decode()
+    assert '<assistant>[{"name": "get_weather", "arguments": {"city": "Paris"}}]' in prompt
+    assert '<tool>{"sky": "sunny"}' in prompt
