@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..protocol.messages import GenerateRequest
 from .logprobs import ChoiceLogprobs
 from .serving import Piece
-from .structured import Structure, tool_calls
+from .structured import TOOL_MARK, Structure, tool_calls
 
 
 class Choice:
@@ -24,6 +24,9 @@ class Choice:
         self.texts: list[str] = []
         self.reason: str | None = None
         self.calls: list[dict] | None = None  # a tool-calling choice's calls, once complete
+        # Whether the output is calls: known at once for tool_choice required or named, at its first character
+        # for auto (None until then), never without tools.
+        self.calling: bool | None = None if structure.auto else structure.calls_tools
 
     def add(self, piece: Piece) -> list[tuple[str, str | None, dict | None]]:
         """(text, finish reason, logprobs) of what `piece` adds: completions' echoed prompt first (with its
@@ -39,15 +42,18 @@ class Choice:
         self.last = piece
         self.texts += [text for text, _, _ in parts]
         self.reason = piece.reason or self.reason
-        if piece.reason is not None and self.structure.calls_tools:
-            self.calls = tool_calls("".join(self.texts), self.structure)
+        text = "".join(self.texts)
+        if self.calling is None and text:
+            self.calling = text.startswith(TOOL_MARK[0])
+        if piece.reason is not None and self.calling:
+            self.calls = tool_calls(text, self.structure)
         return parts
 
     def stream(self, piece: Piece) -> list[dict]:
         """The stream chunks' choice objects for `piece`."""
         chunks, first = [], self.last is None
         for text, reason, logprobs in self.add(piece):
-            if self.structure.calls_tools:
+            if self.calling is not False:  # calls, or not known yet: no text goes out
                 chunks += self._tool_chunks(text, reason, logprobs, first)
             elif text or reason is not None or logprobs is not None or first:
                 chunks.append(self._chunk(self._delta(text, first), reason, logprobs))
@@ -59,7 +65,7 @@ class Choice:
         delta = {"role": "assistant", "content": None} if first else {}
         if reason is None:
             return [self._chunk(delta, None, logprobs)] if delta or logprobs is not None else []
-        if self.calls is None:  # cut short (length): the text as it is
+        if self.calls is None:  # cut short (length), or an empty answer: the text as it is
             return [self._chunk({**delta, "content": "".join(self.texts)}, reason, logprobs)]
         calls = [{"index": j, **call} for j, call in enumerate(self.calls)]
         return [self._chunk({**delta, "tool_calls": calls}, "tool_calls", logprobs)]

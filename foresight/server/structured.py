@@ -9,8 +9,9 @@ cannot wander into whitespace.
 - `response_format` `json_object`: any JSON object; `json_schema`: that schema (`strict` or not, it is enforced).
 - `tools` with `tool_choice` `required`: a JSON array of one or more calls `{"name": ..., "arguments": {...}}` of
   the tools (one call, not an array, with `parallel_tool_calls: false`); a named function: that function's
-  arguments alone; `none`: the tools are neither described nor called. `auto` (OpenAI's default when tools are
-  given) needs the model's own tool-call format and a parser for it, which this server does not have: a 400.
+  arguments alone; `auto` (OpenAI's default when tools are given): a text answer, or `<tool_call>` and the calls
+  (a text answer then cannot start with "<": that character begins calls); `none`: the tools are neither described
+  nor called.
 - The tools are described to the model in a system message (`tool_prompt`); calls sent back in an assistant
   message are rendered as the JSON list this server generates, and a `tool` message's result as its content.
 """
@@ -21,6 +22,8 @@ import uuid
 from dataclasses import dataclass
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# tool_choice auto: an answer that starts with this is calls; a text answer cannot start with "<".
+TOOL_MARK = "<tool_call>"
 ANY_OBJECT = {"type": "object"}
 
 
@@ -37,11 +40,13 @@ class Structure:
     grammar: str | None = None  # llguidance grammar (None: free text)
     tools: tuple[dict, ...] = ()  # the functions the output calls (OpenAI `function` objects); () = no calls
     named: str | None = None  # tool_choice names this function: the output is its arguments
-    parallel: bool = True  # tool_choice required: an array of calls (else one call)
+    parallel: bool = True  # tool_choice required / auto: an array of calls (else one call)
+    auto: bool = False  # tool_choice auto: a text answer, or TOOL_MARK and the calls
 
     @property
     def calls_tools(self) -> bool:
-        return bool(self.tools)
+        """The output is calls, whatever it says (tool_choice required or a named function)."""
+        return bool(self.tools) and not self.auto
 
 
 def structure_of(body) -> Structure:
@@ -67,23 +72,27 @@ def _tool_structure(body) -> Structure:
         if choice not in (None, "none"):
             raise StructureError("tool_choice needs tools", "tool_choice")
         return Structure()
-    if choice in (None, "auto"):
-        raise StructureError("tool_choice 'auto' (the default with tools) needs the model's own tool-call format, "
-                             "which this server cannot parse; send tool_choice 'required', a named function, or "
-                             "'none'", "tool_choice")
     if choice == "none":
         return Structure()
+    parallel = getattr(body, "parallel_tool_calls", None) is not False
+    if choice in (None, "auto"):  # OpenAI's default with tools
+        lark = f"start: TEXT | {json.dumps(TOOL_MARK)} calls\nTEXT: /[^<][\\s\\S]*/\ncalls: %json " + \
+            json.dumps({**calls_schema(tools, parallel), "x-guidance": JSON_STYLE})
+        return Structure(grammar=compiled_lark(lark, "tools"), tools=tuple(tools), parallel=parallel, auto=True)
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": _parameters(t)},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        parallel = getattr(body, "parallel_tool_calls", None) is not False
-        schema = {"type": "array", "items": call, "minItems": 1} if parallel else call
-        return Structure(grammar=compiled(schema, "tools"), tools=tuple(tools), parallel=parallel)
+        return Structure(grammar=compiled(calls_schema(tools, parallel), "tools"), tools=tuple(tools), parallel=parallel)
     named = [t for t in tools if t["name"] == choice.function.name]
     if not named:
         raise StructureError(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
     return Structure(grammar=compiled(_parameters(named[0]), "tools"), tools=tuple(named), named=named[0]["name"])
+
+
+def calls_schema(tools: list[dict], parallel: bool) -> dict:
+    """The JSON schema of calls of `tools`: an array of one or more (`parallel`), else one call."""
+    calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": _parameters(t)},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {"type": "array", "items": call, "minItems": 1} if parallel else call
 
 
 def _parameters(tool: dict) -> dict:
@@ -97,21 +106,40 @@ def compiled(schema: dict, param: str) -> str:
 
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
-        error = llguidance.LLMatcher.validate_grammar(grammar)
     except Exception as exc:  # whatever the engine makes of a client's schema, it is the client's to fix
+        raise StructureError(f"{param}: the schema cannot be compiled: {exc}"[:600], param) from None
+    return validated(grammar, param)
+
+
+def compiled_lark(lark: str, param: str) -> str:
+    """The llguidance grammar of a Lark grammar (with %json schemas inside), validated as `compiled` does."""
+    import llguidance
+
+    return validated(llguidance.LLMatcher.grammar_from_lark(lark), param)
+
+
+def validated(grammar: str, param: str) -> str:
+    import llguidance
+
+    try:
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except Exception as exc:
         raise StructureError(f"{param}: the schema cannot be compiled: {exc}"[:600], param) from None
     if error:
         raise StructureError(f"{param}: the schema cannot be compiled: {error.strip()[:500]}", param)
     return grammar
 
 
-def tool_prompt(tools: tuple[dict, ...], named: str | None) -> str:
-    """A system message describing the tools to a model whose chat template does not."""
+def tool_prompt(tools: tuple[dict, ...], named: str | None, auto: bool = False) -> str:
+    """A system message describing the tools to the model (`auto`: it may answer in text instead)."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     if named is not None:
         return f"Call the function {named}. Answer with its arguments as one JSON object.\nFunction:\n{listed}"
-    return ("You can call functions. Answer with a JSON list of calls, each {\"name\": ..., \"arguments\": {...}}.\n"
-            f"Functions:\n{listed}")
+    calls = "a JSON list of calls, each {\"name\": ..., \"arguments\": {...}}"
+    if auto:
+        return (f"You can call functions. To call, answer with {TOOL_MARK} followed by {calls}; otherwise answer "
+                f"in text.\nFunctions:\n{listed}")
+    return f"You can call functions. Answer with {calls}.\nFunctions:\n{listed}"
 
 
 def rendered_message(message) -> dict:
@@ -136,17 +164,22 @@ def with_tool_prompt(messages: list[dict], body) -> list[dict]:
     """`messages` with the tools described in the system message, when the request may call them."""
     tools = [t.function.model_dump(exclude_none=True) for t in getattr(body, "tools", None) or []]
     choice = getattr(body, "tool_choice", None)
-    if not tools or choice in (None, "none", "auto"):
+    if not tools or choice == "none":
         return messages
-    named = None if isinstance(choice, str) else choice.function.name
-    note = tool_prompt(tuple(t for t in tools if named in (None, t["name"])), named)
+    named = None if choice is None or isinstance(choice, str) else choice.function.name
+    note = tool_prompt(tuple(t for t in tools if named in (None, t["name"])), named, auto=choice in (None, "auto"))
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}, *messages[1:]]
     return [{"role": "system", "content": note}, *messages]
 
 
 def tool_calls(text: str, structure: Structure) -> list[dict] | None:
-    """OpenAI `tool_calls` of a finished choice's text (None: the text is not a complete call, e.g. cut short)."""
+    """OpenAI `tool_calls` of a finished choice's text (None: the text is not a complete call, e.g. cut short, or
+    with tool_choice auto an answer in text)."""
+    if structure.auto:
+        if not text.startswith(TOOL_MARK):
+            return None
+        text = text[len(TOOL_MARK):]
     try:
         value = json.loads(text)
     except ValueError:

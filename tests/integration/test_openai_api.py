@@ -72,7 +72,8 @@ BAD_REQUESTS = [
     # once silently ignored; now built, and refused where they cannot be honoured
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),  # auto
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),  # not among the tools
     ({"logit_bias": {"42": 101}}, "logit_bias"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": 5}, "min_tokens"),  # more than max_tokens

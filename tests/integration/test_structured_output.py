@@ -95,3 +95,15 @@ def test_a_tool_result_sent_back_gets_an_answer(client):
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
     alone = client.chat.completions.create(model=MODEL, max_tokens=1, temperature=0, messages=messages[:1])
     assert second.usage.prompt_tokens > alone.usage.prompt_tokens + 20  # the call and its result are in the prompt
+
+
+@pytest.mark.parametrize("question", ["What is the weather in Paris?", "Say hello."])
+def test_auto_tool_choice_answers_in_text_or_with_a_valid_call(client, question):
+    out = ask(client, question, tools=[WEATHER], temperature=0, parallel_tool_calls=False)
+    choice = out.choices[0]
+    if choice.finish_reason == "tool_calls":
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    else:
+        assert choice.message.content and not choice.message.content.startswith("<") and not choice.message.tool_calls

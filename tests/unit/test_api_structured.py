@@ -102,8 +102,6 @@ def test_a_call_cut_short_comes_back_as_text_with_finish_reason_length():
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [WEATHER]}, "tool_choice"),  # auto, the default with tools: no parser for the model's own format
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),  # no tools
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "required"}, "tools"),
@@ -137,3 +135,51 @@ def test_a_tool_result_goes_back_to_the_model_with_the_call_it_answers():
     prompt = bytes(engine.requests[0].prompt_ids).decode()
     assert '<assistant>[{"name": "get_weather", "arguments": {"city": "Paris"}}]' in prompt
     assert '<tool>{"sky": "sunny"}' in prompt
+
+
+@pytest.mark.parametrize("choice", [None, "auto"])
+def test_auto_tool_choice_answers_in_text_or_calls(choice):
+    """tool_choice auto (also the default with tools): a text answer stays text; an answer that starts with the
+    tool mark is calls. The tools are described, with the mark."""
+    extra = {"tools": [WEATHER]} if choice is None else {"tools": [WEATHER], "tool_choice": choice}
+    engine = Engine(script=says("It is sunny."))
+    text = post({**CHAT, **extra}, engine).json()["choices"][0]
+    assert text["message"]["content"] == "It is sunny." and text["finish_reason"] == "stop"
+    assert "<tool_call>" in bytes(engine.requests[0].prompt_ids).decode()
+    assert engine.requests[0].sampling.grammar.startswith("start: TEXT | \"<tool_call>\" calls")  # a Lark grammar
+    engine = Engine(script=says('<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome"}}]'))
+    called = post({**CHAT, **extra}, engine).json()["choices"][0]
+    assert called["finish_reason"] == "tool_calls" and called["message"]["content"] is None
+    assert called["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+
+
+def test_auto_tool_choice_streams_text_as_text_and_calls_as_a_delta():
+    engine = Engine(script=says("Sunny and warm."))
+    chunks = [json.loads(e)["choices"][0] for e in post({**CHAT, "tools": [WEATHER], "stream": True}, engine).events()[:-1]]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == "Sunny and warm."
+    engine = Engine(script=says('<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome"}}]'))
+    chunks = [json.loads(e)["choices"][0] for e in post({**CHAT, "tools": [WEATHER], "stream": True}, engine).events()[:-1]]
+    assert all(not c["delta"].get("content") for c in chunks)
+    assert chunks[-1]["finish_reason"] == "tool_calls" and chunks[-1]["delta"]["tool_calls"][0]["index"] == 0
+
+
+def test_the_auto_grammar_takes_text_or_marked_calls_and_nothing_else():
+    import llguidance
+
+    from foresight.server.structured import structure_of
+    from foresight.server.openai_schemas import ChatCompletionRequest
+    from foresight.target_worker.grammar import grammar_tokenizer
+    from support.tiny_models import VOCAB, tiny_char_tokenizer
+
+    tok = tiny_char_tokenizer()
+    grammar = structure_of(ChatCompletionRequest(**{**CHAT, "tools": [WEATHER]})).grammar
+    lt = grammar_tokenizer(tok, VOCAB, [VOCAB - 1])
+
+    def takes(text: str) -> bool:
+        matcher = llguidance.LLMatcher(lt, grammar)
+        return matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    assert takes("It is sunny.")
+    assert takes('<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome"}}]')
+    assert not takes('<tool_call>[{"name": "get_time", "arguments": {}}]')  # not among the tools
+    assert not takes("<b>sunny</b>")  # a text answer cannot start with "<"
