@@ -44,6 +44,7 @@ log = logging.getLogger("foresight.compiled_step")
 # Modules whose code runs inside the traced forward (besides transformers'): a change recompiles.
 TRACED_MODULES = (__name__, "foresight.target_worker.packed_step", "foresight.target_worker.small_attention",
                   "foresight.target_worker.cpu_linear", "foresight.models.int4_linear")
+STALE_DAYS = 14  # a package no start has loaded for this long is deleted (prune_stale)
 MAX_COLUMNS = 1 << 20  # the symbolic key columns / buffer capacity may be anything up to this
 EXAMPLE_PAST = 8  # positions in the KV buffers of the example inputs the trace runs on
 
@@ -143,7 +144,9 @@ class CompiledStep:
                 log.info("compiled the %d-token step in %.1f s -> %s", bucket, time.perf_counter() - t0, path)
             else:
                 self.loaded += 1
+                path.touch()  # in use: prune_stale keeps it
             self.graphs[bucket] = torch._inductor.aoti_load_package(str(path))
+        prune_stale(self.cache_dir)
 
     @torch.inference_mode()
     def compile(self, bucket: int, path: Path) -> None:
@@ -202,6 +205,25 @@ class CompiledStep:
             if name in sys.modules:
                 digest.update(inspect.getsource(sys.modules[name]).encode())
         return digest.hexdigest()[:20]
+
+
+def prune_stale(cache_dir: Path, keep_days: float = STALE_DAYS, now: float | None = None) -> list[Path]:
+    """Delete the packages in `cache_dir` no start has used for `keep_days` (each change of the model, the traced
+    code, the threads or torch makes a new key and leaves the old packages behind, ~70 MB each), and partial ones a
+    compile left an hour ago or more. Returns what it deleted."""
+    now = time.time() if now is None else now
+    gone = []
+    for path in cache_dir.glob("step-*.pt2"):
+        limit = 3600 if path.name.endswith(".partial.pt2") else keep_days * 86400
+        try:
+            if now - path.stat().st_mtime > limit:
+                path.unlink()
+                gone.append(path)
+        except OSError:  # another process pruned or replaced it first
+            continue
+    if gone:
+        log.info("removed %d compiled packages unused for %g days from %s", len(gone), keep_days, cache_dir)
+    return gone
 
 
 @contextmanager

@@ -169,3 +169,22 @@ def test_what_compile_choices_mean(model):
         wants_compile("on", model, "cuda")
     with pytest.raises(ConfigError, match="compile"):
         EngineConfig(compile="sometimes")
+
+
+def test_packages_no_start_used_for_two_weeks_are_pruned(tmp_path):
+    """Every new key (model, traced code, threads, torch) leaves the old packages behind: a start deletes those
+    unused for STALE_DAYS, and partial ones an hour old; what a start loads is touched, so it stays."""
+    import os
+    import time
+
+    from foresight.models.compiled_step import STALE_DAYS, prune_stale
+
+    now = time.time()
+    ages = {"step-old-1.pt2": STALE_DAYS * 86400 + 60, "step-recent-1.pt2": 3600,
+            "step-x-1.123.partial.pt2": 7200, "step-y-1.124.partial.pt2": 60, "notes.txt": 10**8}
+    for name, age in ages.items():
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (now - age, now - age))
+    gone = prune_stale(tmp_path, now=now)
+    assert sorted(p.name for p in gone) == ["step-old-1.pt2", "step-x-1.123.partial.pt2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step-recent-1.pt2", "step-y-1.124.partial.pt2"]
