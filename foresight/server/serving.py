@@ -15,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from ..protocol.messages import GenerateRequest, RoundStats, SamplingParams, TokenOutput
+from .chat_prompt import ContentNotKept, added_token_texts, chat_prompt_ids
 from .detokenizer import IncrementalDetokenizer
 from .engine_client import EngineClient, RequestError
-from .chat_prompt import ContentNotKept, added_token_texts, chat_prompt_ids
-from .structured import Structure, StructureError, rendered_message, structure_of, with_tool_prompt
 from .logprobs import TokenTexts
 from .openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .structured import Structure, StructureError, rendered_message, structure_of, with_tool_prompt
 
 log = logging.getLogger("foresight.server")
 
