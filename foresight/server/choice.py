@@ -36,7 +36,7 @@ class Choice:
             lp = self.logprobs.add(self.request.prompt_ids, piece.output.prompt_logprobs, prompt=True) \
                 if self.logprobs is not None else None
             parts.append((self.echo, None, lp))
-        lp = self.logprobs.add(piece.output.token_ids, piece.output.logprobs) \
+        lp = self.logprobs.add(piece.token_ids, piece.logprobs) \
             if self.logprobs is not None and self.request.sampling.logprobs is not None else None
         parts.append((piece.text, piece.reason, lp))
         self.last = piece

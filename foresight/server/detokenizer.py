@@ -8,7 +8,9 @@ leading space) out of the difference, and a multi-byte character split across to
 trailing U+FFFD until its last byte arrives. The work per step is O(window), not O(output).
 
 Stop strings: text that could still become the start of a stop string is held back, so a stop string
-is never streamed, even in part.
+is never streamed, even in part. With stop strings the tokens of a step are taken one at a time, so the output
+ends with the token that completed the stop string (`kept`): the tokens a speculative step committed after it
+are not part of the answer (nor of its usage or logprobs).
 """
 from __future__ import annotations
 
@@ -26,15 +28,22 @@ class IncrementalDetokenizer:
         self.pending = ""  # decoded, not yet sent: held back for stop strings
         self.sent_chars = 0
         self.stopped = False
+        self.kept = 0  # of the tokens of the last `add`, those in the output (all of them unless a stop cut it)
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
         """Append tokens; return the new text that is safe to send (held back: incomplete characters
         and anything that could still become a stop string)."""
         if self.stopped:
+            self.kept = 0
             return ""
-        self.token_ids.extend(token_ids)
-        self.pending += self._decode_new(final)
-        self._cut_at_stop()
+        self.kept = 0
+        for piece in ([token_ids] if not self.stop or len(token_ids) <= 1 else [[t] for t in token_ids]):
+            self.token_ids.extend(piece)
+            self.kept += len(piece)
+            self.pending += self._decode_new(final and self.kept == len(token_ids))
+            self._cut_at_stop()
+            if self.stopped:
+                break
         keep = 0 if (final or self.stopped) else min(self.hold_back, len(self.pending))
         out = self.pending[: len(self.pending) - keep]
         self.pending = self.pending[len(out):]

@@ -126,6 +126,15 @@ class Piece:
     tally: SpecTally  # the request's speculation statistics so far
     n_completion: int  # tokens generated so far
     output: TokenOutput  # the engine's: its token ids and, when asked for, their logprobs and the prompt's
+    kept: int = 0  # of output.token_ids, those in the answer (a stop string may end it before the last)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.output.token_ids[:self.kept]
+
+    @property
+    def logprobs(self):
+        return self.output.logprobs.head(self.kept) if self.output.logprobs is not None else None
 
 
 class RequestRunner:
@@ -270,16 +279,17 @@ class RequestRunner:
                 now = time.perf_counter()
                 self._record_timing(n_tokens, now - start, now - last)
                 last = now
-                n_tokens += len(out.token_ids)
+                text = detok.add(out.token_ids, final=out.finished)
+                n_tokens += detok.kept  # a stop string ends the answer at the token that completed it
                 for stats in out.rounds:
                     tally.add(stats, len(out.token_ids))
                     if self.metrics:
                         self.metrics.record_round(stats)
-                text = detok.add(out.token_ids, final=out.finished)
                 reason = "stop" if detok.stopped else out.finish_reason
                 if self.metrics:
-                    self.metrics.record_generation_tokens(len(out.token_ids))
-                yield Piece(text, reason if (out.finished or detok.stopped) else None, tally, n_tokens, out)
+                    self.metrics.record_generation_tokens(detok.kept)
+                yield Piece(text, reason if (out.finished or detok.stopped) else None, tally, n_tokens, out,
+                            detok.kept)
                 if detok.stopped:
                     break  # leaving the generator aborts the request in the engine
         except RequestError:

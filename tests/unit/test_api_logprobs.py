@@ -143,3 +143,24 @@ def test_token_texts_give_a_byte_level_tokens_real_bytes():
 def test_token_texts_of_a_tokenizer_that_is_not_byte_level_are_utf8_of_the_text():
     texts = TokenTexts(ByteTokenizer())
     assert texts.byte_map is None and texts.of(ord("a")) == ("a", [ord("a")])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_tokens_logprobs_and_usage_where_it_ends_the_text(stream):
+    """One engine output of 11 tokens (a speculative round can commit several) with the stop string "lo" inside:
+    the answer, its logprobs and its usage end with the token that completed "lo"."""
+    engine = FakeEngine(script=lambda request: outputs_for("hello world", pieces=1))
+    body = {**CHAT, "logprobs": True, "stop": ["lo"], "stream": stream, "stream_options": {"include_usage": True}} \
+        if stream else {**CHAT, "logprobs": True, "stop": ["lo"]}
+    reply = post("/v1/chat/completions", body, engine)
+    if stream:
+        events = [json.loads(e) for e in reply.events()[:-1]]
+        content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+        entries = [x for e in events if e["choices"] and e["choices"][0]["logprobs"] for x in
+                   e["choices"][0]["logprobs"]["content"]]
+        usage = events[-1]["usage"]
+    else:
+        choice = reply.json()["choices"][0]
+        content, entries, usage = choice["message"]["content"], choice["logprobs"]["content"], reply.json()["usage"]
+    assert content == "hel"
+    assert [e["token"] for e in entries] == list("hello") and usage["completion_tokens"] == 5

@@ -126,3 +126,18 @@ def test_real_tokenizer_streams_its_own_full_decode():
     detok = IncrementalDetokenizer(tok)
     streamed = "".join(detok.add([t], final=i == len(ids) - 1) for i, t in enumerate(ids))
     assert streamed == tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("step", [1, 4, 40])
+def test_the_tokens_kept_end_with_the_one_that_completed_the_stop_string(step):
+    """A step of several tokens (a speculative round) that runs past a stop string keeps only the tokens up to the
+    one completing it; without stop strings every token is kept."""
+    detok = IncrementalDetokenizer(CharTokenizer(), stop=["END"])
+    ids, kept = list(b"abc ENDtail and more"), 0
+    for i in range(0, len(ids), step):
+        detok.add(ids[i:i + step])
+        kept += detok.kept
+    assert kept == len(b"abc END") and detok.stopped
+    plain = IncrementalDetokenizer(CharTokenizer())
+    plain.add(ids)
+    assert plain.kept == len(ids)
