@@ -58,6 +58,11 @@ class GrammarState:
             self.taken += 1
         return rows
 
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and takes nothing more (plain decoding could only add the eos): the request ends."""
+        return self.matcher.is_stopped()
+
     def commit(self, accepted: int, token: int) -> None:
         """The verdict: `accepted` drafts kept (of those `masks` took), then `token`."""
         if self.taken > accepted and not self.matcher.rollback(self.taken - accepted):

@@ -572,6 +572,8 @@ class TargetWorker:
                 return emitted, "stop"
             if state.tokens_left() <= 0 or self.context_left(state) <= 0:
                 return emitted, "length"
+        if state.grammar is not None and state.grammar.done:  # complete: only the eos could follow (or nothing)
+            return emitted, "stop"
         return emitted, None
 
     def stop_ids(self, req: GenerateRequest) -> set[int]:

@@ -54,10 +54,11 @@ class InProcessEngine:
         assert ready == {"target", "drafter"}, ready
         self._ids = itertools.count()
 
-    def submit(self, prompt: list[int], max_tokens: int, mode: str = "sync", **sampling) -> str:
+    def submit(self, prompt: list[int], max_tokens: int, mode: str = "sync", ignore_eos: bool = False,
+               **sampling) -> str:
         req_id = f"t-{next(self._ids)}"
         self.send_to_target.send(GenerateRequest(req_id=req_id, prompt_ids=list(prompt), max_tokens=max_tokens,
-                                                 sampling=SamplingParams(**sampling), mode=mode))
+                                                 sampling=SamplingParams(**sampling), mode=mode, ignore_eos=ignore_eos))
         return req_id
 
     def collect(self, req_ids: list[str], timeout_ms: int = 60000) -> dict[str, dict]:
