@@ -65,9 +65,14 @@ def structure_of(body) -> Structure:
     return tools
 
 
+def tools_of(body) -> tuple[list[dict], object]:
+    """The body's tools (OpenAI `function` objects as dicts) and its tool_choice."""
+    return [t.function.model_dump(exclude_none=True) for t in getattr(body, "tools", None) or []], \
+        getattr(body, "tool_choice", None)
+
+
 def _tool_structure(body) -> Structure:
-    tools = [t.function.model_dump(exclude_none=True) for t in getattr(body, "tools", None) or []]
-    choice = getattr(body, "tool_choice", None)
+    tools, choice = tools_of(body)
     if not tools:
         if choice not in (None, "none"):
             raise StructureError("tool_choice needs tools", "tool_choice")
@@ -162,8 +167,7 @@ def _json_or_text(text: str):
 
 def with_tool_prompt(messages: list[dict], body) -> list[dict]:
     """`messages` with the tools described in the system message, when the request may call them."""
-    tools = [t.function.model_dump(exclude_none=True) for t in getattr(body, "tools", None) or []]
-    choice = getattr(body, "tool_choice", None)
+    tools, choice = tools_of(body)
     if not tools or choice == "none":
         return messages
     named = None if choice is None or isinstance(choice, str) else choice.function.name

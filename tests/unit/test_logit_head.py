@@ -57,6 +57,16 @@ def test_unknown_logit_precision_is_refused():
         TargetRunner(tiny_model("llama"), logits="fp64")
 
 
+def bf16_prefills(varied: bool = False, keep: int = 1):
+    """A bf16 tiny model's prefill of IDS through the full fp32 head and through the near-maximum refinement: the
+    exact logits of the last `keep` positions, the refined forward's result, and its runner."""
+    model = tiny_model("llama", varied=varied).to(torch.bfloat16)
+    full, top = TargetRunner(model, logits="fp32"), TargetRunner(model, logits="fp32-top")
+    prompt = IDS[0].tolist()
+    exact = full.prefill(full.new_cache(), prompt, keep_logits=keep).logits  # [keep, vocab]
+    return exact, top.prefill(top.new_cache(), prompt, keep_logits=keep), top
+
+
 def test_logit_rules_that_move_the_maximum_are_decided_in_fp32():
     """A logit bias lifts the 20th-best token to the top: its ruled logit is its fp32 logit plus the bias (as
     the full fp32 head gives), not its bf16 one; without the second refinement it would be the bf16 value."""
@@ -65,11 +75,8 @@ def test_logit_rules_that_move_the_maximum_are_decided_in_fp32():
     from foresight.protocol.messages import SamplingParams
     from foresight.target_worker.logit_rules import LogitRules
 
-    model = tiny_model("llama").to(torch.bfloat16)
-    full, top = TargetRunner(model, logits="fp32"), TargetRunner(model, logits="fp32-top")
     prompt = IDS[0].tolist()
-    exact = full.prefill(full.new_cache(), prompt).logits  # [1, vocab]
-    result = top.prefill(top.new_cache(), prompt)
+    exact, result, top = bf16_prefills()  # [1, vocab] each
     order = exact[0].argsort(descending=True)
     lifted, gap = int(order[19]), float(exact[0, order[0]] - exact[0, order[19]])
     rules = partial(LogitRules.of(SamplingParams(logit_bias=[(lifted, gap + 0.01)]), prompt, []).apply,
@@ -85,11 +92,7 @@ def test_logit_rules_that_move_the_maximum_are_decided_in_fp32():
 def test_exact_columns_recomputes_just_the_named_entries_in_fp32():
     """What logprobs report of a bf16 target (target_worker/logprobs.py): the named entries equal the full fp32
     head's, every other entry is left as it was."""
-    model = tiny_model("llama", varied=True).to(torch.bfloat16)
-    full, top = TargetRunner(model, logits="fp32"), TargetRunner(model, logits="fp32-top")
-    prompt = IDS[0].tolist()
-    exact = full.prefill(full.new_cache(), prompt, keep_logits=len(prompt)).logits  # [12, vocab]
-    result = top.prefill(top.new_cache(), prompt, keep_logits=len(prompt))
+    exact, result, top = bf16_prefills(varied=True, keep=IDS.shape[1])  # [12, vocab] each
     columns = torch.tensor([[5, 60], [7, 7]] + [[1, 2]] * 10)  # [12, 2], a repeat included
     got = top.head.exact_columns(result.logits, columns, result.head_input)
     named = torch.zeros_like(got, dtype=torch.bool).scatter_(-1, columns, True)
@@ -105,11 +108,7 @@ def test_a_grammar_mask_is_decided_on_fp32_logits(keeps_max):
     allowed (refined again)."""
     from foresight.target_worker.steps import grammar_only
 
-    model = tiny_model("llama").to(torch.bfloat16)
-    full, top = TargetRunner(model, logits="fp32"), TargetRunner(model, logits="fp32-top")
-    prompt = IDS[0].tolist()
-    exact = full.prefill(full.new_cache(), prompt).logits  # [1, vocab]
-    result = top.prefill(top.new_cache(), prompt)
+    exact, result, top = bf16_prefills()  # [1, vocab] each
     order = exact[0].argsort(descending=True)
     allowed = torch.zeros_like(exact, dtype=torch.bool)
     kept = order[[0, 5, 9]] if keeps_max else order[19:40]
