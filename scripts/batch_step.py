@@ -1,10 +1,11 @@
-"""Median time of one batched target step against the number of requests in it (the ceiling of batching).
+"""Median time of one batched target step against the number of requests in it (the ceiling of batching), eager
+and, with `compiled`, through the compiled steps (models/compiled_step.py: the batched graphs of one token per request).
 
-    .venv/bin/python scripts/batch_step.py [float32|bfloat16] [threads] [auto|prepacked|plain]
+    .venv/bin/python scripts/batch_step.py [float32|bfloat16] [threads] [auto|prepacked|plain] [none|int4] [compiled]
 
-Linear layers as the server's `--cpu-linear` (third argument, default auto). Each request holds its own
-200-token context (`TargetRunner.prefill`); a step feeds one token per request through
-`TargetRunner.verify_batch`, as the target worker's plain steps under load do (B = 1: `verify`).
+Linear layers as the server's `--cpu-linear` (third argument, default auto) and `--quantization` (fourth, default
+none). Each request holds its own 200-token context (`TargetRunner.prefill`); a step feeds one token per request
+through `TargetRunner.verify_batch`, as the target worker's plain steps under load do (B = 1: `verify`).
 Throughput at B requests over one request's is B x (one-request step) / (B-request step): what `ar` at B
 clients could reach if nothing but the forward cost time (no prefills, sampling, messages or HTTP).
 """
@@ -14,9 +15,14 @@ import time
 
 import torch
 
+from foresight.models.compiled_step import compiled_step_for
+from foresight.models.quantization import apply_quantization
 from foresight.target_worker.cpu_linear import use_cpu_linears
-from foresight.target_worker.loading import load_target, resolve_target
+from foresight.target_worker.loading import cache_root, load_target, resolve_target
+from foresight.target_worker.packed_step import packed_attention
 from foresight.target_worker.runner import TargetRunner
+
+REQUESTS = (1, 2, 4, 8, 12, 16)
 
 
 def contexts(runner: TargetRunner, requests: int, length: int = 200) -> list:
@@ -43,17 +49,31 @@ def median_step_ms(runner: TargetRunner, requests: int, steps: int = 25) -> floa
 
 
 def main() -> None:
-    dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float32")
-    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
-    model = load_target(resolve_target(None), dtype, "cpu")
-    use_cpu_linears(model, sys.argv[3] if len(sys.argv) > 3 else "auto", "cpu", "target")  # as the server does
-    runner = TargetRunner(model)
-    one = None
-    for requests in (1, 2, 4, 8, 16):
-        ms = median_step_ms(runner, requests)
-        one = one or ms
-        print(f"{dtype} {requests:2d} requests: {ms:.1f} ms/step ({ms / one:.2f}x one request's step, "
-              f"{requests * one / ms:.2f}x its throughput)", flush=True)
+    args = sys.argv[1:] + [None] * 5
+    dtype = getattr(torch, args[0] or "float32")
+    threads = int(args[1] or 2)
+    torch.set_num_threads(threads)
+    path = resolve_target(None)
+    model = load_target(path, dtype, "cpu")
+    apply_quantization(model, args[3] or "none", path, "cpu", "target")
+    use_cpu_linears(model, args[2] or "auto", "cpu", "target")  # as the server does
+    runners = {"eager": TargetRunner(model)}
+    if args[4] == "compiled":
+        compiled = compiled_step_for(model, "on", "cpu", (), 1, cache_root() / "compiled", packed_attention,
+                                     threads=threads, batched=True)
+        runners["compiled"] = TargetRunner(model, compiled=compiled)
+    one = {}
+    for requests in REQUESTS:
+        cells = []
+        for name, runner in runners.items():
+            ms = median_step_ms(runner, requests)
+            one.setdefault(name, ms)
+            cells.append(f"{name} {ms:5.1f} ms/step ({requests * one[name] / ms:.2f}x its one-request throughput)")
+        if len(runners) > 1:
+            cells.append(f"compiled {float(cells[0].split()[1]) / float(cells[1].split()[1]):.2f}x eager")
+        print(f"{dtype} {threads}t {requests:2d} requests: " + "; ".join(cells), flush=True)
+    if "compiled" in runners:
+        print(f"eager batched steps of the compiled runner: {runners['compiled'].eager_batches}")
 
 
 if __name__ == "__main__":

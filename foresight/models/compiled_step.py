@@ -1,5 +1,6 @@
 """A target's decoding forwards compiled ahead of time with AOTInductor: a few new tokens of one request over
-its KV cache, as one C++ graph per token count.
+its KV cache, as one C++ graph per token count, and one new token of each of several requests (a plain step under
+load) as graphs whose batch size stays symbolic.
 
 Eager, a 1-token step of the embedded default spends as long in Python and small ops (norms, rotary embedding,
 residuals, cache bookkeeping) as in its matrix products. `torch.export` traces the model's body once per token
@@ -9,9 +10,12 @@ when `autotune`), small ops fused, no Python and no guards per call. The shapes 
 stay symbolic: the key columns attended (W) and the capacity of the KV buffers (C). A forward of fewer tokens than
 its bucket is padded (the padding's keys land past what the cache keeps; its outputs are not read).
 
-The graph writes the new keys/values into the request's buffers in place (`index_copy_` at the fed positions)
-and attends to their first W columns, so the buffers must already hold the request's past in columns [0, T) and
-have room for the bucket (target_worker/slot_kv.py). It returns the last decoder layer's output before the final
+The graph writes the new keys/values into the request's buffers in place (at the fed positions) and attends to
+their first W columns, so the buffers must already hold the request's past in columns [0, T) and have room for the
+bucket (target_worker/slot_kv.py). A batched graph does the same for each row of batched buffers
+(target_worker/batched_kv.py: row b holds request b's past). Its batch size B is symbolic over a range in which
+every linear layer takes one path: an int4 target's layers run the int4 kernel up to INT4_MAX_ROWS rows and a
+dense copy past them (models/int4_linear.py), so each side of that line has a graph of its own. It returns the last decoder layer's output before the final
 norm (the runner's logit head takes it from there, fp32 included) and the hidden states the drafter reads.
 
 The graphs are compiled for the most threads a forward may get (the target's own plus the drafter's it borrows
@@ -32,12 +36,13 @@ import os
 import sys
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .int4_linear import serves_int4
+from .int4_linear import INT4_MAX_ROWS, serves_int4
 
 log = logging.getLogger("foresight.compiled_step")
 
@@ -47,6 +52,26 @@ TRACED_MODULES = (__name__, "foresight.target_worker.packed_step", "foresight.ta
 STALE_DAYS = 14  # a package no start has loaded for this long is deleted (prune_stale)
 MAX_COLUMNS = 1 << 20  # the symbolic key columns / buffer capacity may be anything up to this
 EXAMPLE_PAST = 8  # positions in the KV buffers of the example inputs the trace runs on
+MAX_BATCH = 64  # requests a batched graph takes at most (a larger plain step runs eager)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphShape:
+    """What one graph feeds: `tokens` new tokens to each of `rows[0]`..`rows[1]` requests (a range: symbolic)."""
+
+    tokens: int
+    rows: tuple[int, int] = (1, 1)
+
+    @property
+    def name(self) -> str:
+        low, high = self.rows
+        return str(self.tokens) if high == 1 else f"{self.tokens}x{low}-{high}"
+
+    @property
+    def example_rows(self) -> int:
+        """The batch size the trace runs on (never 1 for a range: the tracer would take it for a constant)."""
+        low, high = self.rows
+        return min(high, low + 2) if low < high else low
 
 
 class StepBody(nn.Module):
@@ -59,16 +84,16 @@ class StepBody(nn.Module):
         self.layers = layers
 
     def forward(self, embeds, positions, mask, keys: list[torch.Tensor], values: list[torch.Tensor]):
-        """embeds [1, L, hidden] (the input embeddings of the fed tokens: the table stays out of the graph);
-        positions [1, L]; mask [1, 1, L, W] bool (True: attend); keys/values per layer [1, kv_heads, C, D]
-        -> (last layer's output before the final norm [1, L, hidden], states at `layers` [1, L, width] or an
-        empty [1, L, 0])."""
+        """embeds [B, L, hidden] (the input embeddings of the fed tokens: the table stays out of the graph);
+        positions [B, L]; mask [B, 1, L, W] bool (True: attend); keys/values per layer [B, kv_heads, C, D]
+        -> (last layer's output before the final norm [B, L, hidden], states at `layers` [B, L, width] or an
+        empty [B, L, 0])."""
         torch._check(mask.shape[-1] <= keys[0].shape[2])
         norm = self.base.norm
         self.base.norm = recorder = InputRecorder(norm)  # only while tracing: the graph keeps the norm's input
         try:
             out = self.base(inputs_embeds=embeds, position_ids=positions, attention_mask=mask, use_cache=True,
-                            cache=BufferWrites(keys, values, positions[0], mask.shape[-1]),
+                            cache=BufferWrites(keys, values, positions, mask.shape[-1]),
                             output_hidden_states=list(self.layers) if self.layers else None)
         finally:
             self.base.norm = norm
@@ -94,72 +119,104 @@ class InputRecorder(nn.Module):
 
 
 class BufferWrites:
-    """The `cache` the model sees inside the graph: each layer's new keys/values go to columns `at` of its
+    """The `cache` the model sees inside the graph: row b's new keys/values go to columns `at[b]` of its
     buffers, and attention reads the first `width` columns."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], at: torch.Tensor, width):
+        """at [B, L]: the fed positions of each row."""
         self.keys, self.values, self.at, self.width = keys, values, at, width
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key/value_states [1, kv_heads, L, D] -> the layer's keys/values [1, kv_heads, W, D]."""
+        """key/value_states [B, kv_heads, L, D] -> the layer's keys/values [B, kv_heads, W, D]."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys.index_copy_(2, self.at, key_states)
-        values.index_copy_(2, self.at, value_states)
+        if self.at.shape[0] == 1:  # decided when tracing: one request's graph
+            keys.index_copy_(2, self.at[0], key_states)
+            values.index_copy_(2, self.at[0], value_states)
+        else:
+            where = self.at[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[3])
+            keys.scatter_(2, where, key_states)
+            values.scatter_(2, where, value_states)
         return keys[:, :, :self.width], values[:, :, :self.width]
 
 
 class CompiledStep:
-    """AOTInductor graphs of `model`'s body for forwards of up to max(buckets) new tokens of one request."""
+    """AOTInductor graphs of `model`'s body for forwards of up to max(buckets) new tokens of one request, and of one
+    new token of each of several requests (`batch_ranges`)."""
 
     def __init__(self, model: nn.Module, layers: tuple[int, ...], buckets: tuple[int, ...], cache_dir: Path,
-                 autotune: bool, attention=None, threads: int = 1):
+                 autotune: bool, attention=None, threads: int = 1, batch_ranges: tuple[tuple[int, int], ...] = ()):
         """`layers`: the hidden_states indices each forward returns; `attention`: a context manager factory the
         trace runs inside (the attention implementation the eager forwards use); `threads`: the most intra-op
         threads a forward runs on (the graphs' work is split for that many; fewer at run time run the same split
-        on fewer threads)."""
+        on fewer threads); `batch_ranges`: the batch sizes of the 1-token batched graphs (`batch_ranges()`)."""
         self.model = model
         self.layers = tuple(layers)
         self.buckets = tuple(sorted(set(buckets)))
+        self.batch_ranges = tuple(batch_ranges)
         self.cache_dir = cache_dir
         self.autotune = autotune
         self.attention = attention
         self.threads = threads
-        self.graphs: dict[int, object] = {}
+        self.graphs: dict[GraphShape, object] = {}
         self.compile_s = 0.0  # seconds spent compiling (0 when every package came from the cache)
         self.loaded = 0  # packages loaded from the cache
+
+    @property
+    def shapes(self) -> list[GraphShape]:
+        return [GraphShape(bucket) for bucket in self.buckets] + [GraphShape(1, rows) for rows in self.batch_ranges]
 
     def bucket(self, tokens: int) -> int | None:
         """The graph a forward of `tokens` runs (None: more tokens than the largest bucket)."""
         return next((b for b in self.buckets if b >= tokens), None)
 
+    def batch_graph(self, rows: int) -> GraphShape | None:
+        """The built graph for one new token of each of `rows` requests (None: none takes that many)."""
+        return next((shape for shape in self.graphs if shape.rows[0] > 1 and shape.rows[0] <= rows <= shape.rows[1]),
+                    None)
+
     def build(self) -> None:
-        """Load each bucket's package from the cache, compiling the missing ones."""
+        """Load each graph's package from the cache, compiling the missing ones. A batched graph that fails to
+        compile is left out (its steps run eager), with the reason logged."""
         key = self.fingerprint()
-        for bucket in self.buckets:
-            path = self.cache_dir / f"step-{key}-{bucket}.pt2"
-            if not path.is_file():
-                t0 = time.perf_counter()
-                self.compile(bucket, path)
-                self.compile_s += time.perf_counter() - t0
-                log.info("compiled the %d-token step in %.1f s -> %s", bucket, time.perf_counter() - t0, path)
-            else:
-                self.loaded += 1
-                path.touch()  # in use: prune_stale keeps it
-            self.graphs[bucket] = torch._inductor.aoti_load_package(str(path))
+        for shape in self.shapes:
+            try:
+                self.graphs[shape] = self.load(shape, self.cache_dir / f"step-{key}-{shape.name}.pt2")
+            except Exception as exc:  # noqa: BLE001 -- a batched graph is optional; one request's are not
+                if shape.rows == (1, 1):
+                    raise
+                log.warning("the batched step of %s requests failed to compile and runs eager: %s: %s",
+                            "-".join(map(str, shape.rows)), type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         prune_stale(self.cache_dir)
 
+    def load(self, shape: GraphShape, path: Path):
+        """The graph of `shape` from its package at `path`, compiled first if missing."""
+        if not path.is_file():
+            t0 = time.perf_counter()
+            self.compile(shape, path)
+            self.compile_s += time.perf_counter() - t0
+            log.info("compiled the %s step in %.1f s -> %s", shape.name, time.perf_counter() - t0, path)
+        else:
+            self.loaded += 1
+            path.touch()  # in use: prune_stale keeps it
+        return torch._inductor.aoti_load_package(str(path))
+
     @torch.inference_mode()
-    def compile(self, bucket: int, path: Path) -> None:
-        """Trace and compile the `bucket`-token forward into the package `path`."""
+    def compile(self, shape: GraphShape, path: Path) -> None:
+        """Trace and compile the forward of `shape` into the package `path`."""
         import torch._inductor.config as inductor
 
-        example = self.example_inputs(bucket)
-        columns = torch.export.Dim(f"columns_{bucket}", min=bucket + 1, max=MAX_COLUMNS)
-        capacity = torch.export.Dim(f"capacity_{bucket}", min=bucket + 1, max=MAX_COLUMNS)
-        buffers = [{2: capacity}] * len(example[3])
+        example = self.example_inputs(shape)
+        name = shape.name.replace("-", "_")
+        columns = torch.export.Dim(f"columns_{name}", min=shape.tokens + 1, max=MAX_COLUMNS)
+        capacity = torch.export.Dim(f"capacity_{name}", min=shape.tokens + 1, max=MAX_COLUMNS)
+        rows = {}
+        if shape.rows[0] < shape.rows[1]:
+            rows = {0: torch.export.Dim(f"rows_{name}", min=shape.rows[0], max=shape.rows[1])}
+        buffers = [{**rows, 2: capacity}] * len(example[3])
         with self.attention(self.model.config) if self.attention is not None else nullcontext():
             program = torch.export.export(StepBody(self.model, self.layers), example, strict=False,
-                                          dynamic_shapes=(None, None, {3: columns}, buffers, buffers))
+                                          dynamic_shapes=(rows or None, rows or None, {**rows, 3: columns},
+                                                          buffers, buffers))
         options = {"freezing": True, "cpp.dynamic_threads": self.threads > 1}
         if self.autotune:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
@@ -169,24 +226,29 @@ class CompiledStep:
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
         partial.replace(path)  # a killed compile leaves no half-written package behind
 
-    def example_inputs(self, bucket: int):
-        """Inputs of the shapes a `bucket`-token forward takes, over a past of EXAMPLE_PAST positions."""
+    def example_inputs(self, shape: GraphShape):
+        """Inputs of the shapes a forward of `shape` takes, over a past of EXAMPLE_PAST positions."""
         config = self.model.config
         heads = config.num_key_value_heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dtype = next(self.model.parameters()).dtype
-        capacity = 4 * (EXAMPLE_PAST + bucket)
-        keys = [torch.zeros(1, heads, capacity, dim, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        rows, tokens = shape.example_rows, shape.tokens
+        capacity = 4 * (EXAMPLE_PAST + tokens)
+        keys = [torch.zeros(rows, heads, capacity, dim, dtype=dtype) for _ in range(config.num_hidden_layers)]
         values = [torch.zeros_like(k) for k in keys]
-        embeds = torch.zeros(1, bucket, config.hidden_size, dtype=dtype)
-        positions = torch.arange(EXAMPLE_PAST, EXAMPLE_PAST + bucket)[None]
-        mask = causal_mask(EXAMPLE_PAST, bucket)
+        embeds = torch.zeros(rows, tokens, config.hidden_size, dtype=dtype)
+        positions = torch.arange(EXAMPLE_PAST, EXAMPLE_PAST + tokens).repeat(rows, 1)  # [rows, tokens]
+        mask = causal_mask(EXAMPLE_PAST, tokens).repeat(rows, 1, 1, 1)  # [rows, 1, tokens, past + tokens]
         return embeds, positions, mask, keys, values
 
     def run(self, bucket: int, ids, positions, mask, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compiled `StepBody.forward` for `bucket` tokens `ids` [1, bucket]."""
-        embeds = self.model.get_input_embeddings()(ids)  # [1, bucket, hidden]
-        return tuple(self.graphs[bucket](embeds, positions, mask, keys, values))
+        """The compiled `StepBody.forward` for `bucket` tokens `ids` [1, bucket] of one request."""
+        return self.run_shape(GraphShape(bucket), ids, positions, mask, keys, values)
+
+    def run_shape(self, shape: GraphShape, ids, positions, mask, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled `StepBody.forward` of `shape` for the tokens `ids` [B, L]."""
+        embeds = self.model.get_input_embeddings()(ids)  # [B, L, hidden]
+        return tuple(self.graphs[shape](embeds, positions, mask, keys, values))
 
     def fingerprint(self) -> str:
         """A key of everything a package depends on: the weights (sampled), dtype, layers, the code that traces
@@ -272,6 +334,14 @@ def step_buckets(block_size: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
+def batch_ranges(model: nn.Module, most: int = MAX_BATCH) -> tuple[tuple[int, int], ...]:
+    """Batch sizes of the 1-token batched graphs: one range per path the linear layers take (an int4 target's
+    kernel up to INT4_MAX_ROWS rows, its dense copy past them)."""
+    if serves_int4(model):
+        return (2, INT4_MAX_ROWS), (INT4_MAX_ROWS + 1, most)
+    return ((2, most),)
+
+
 def compile_refusal(model: nn.Module, device: str) -> str | None:
     """Why `model` on `device` cannot run compiled steps (None: it can)."""
     if device != "cpu":
@@ -296,21 +366,23 @@ def wants_compile(choice: str, model: nn.Module, device: str) -> bool:
 
 
 def compiled_step_for(model: nn.Module, choice: str, device: str, layers: tuple[int, ...], block_size: int,
-                      cache_dir: Path, attention=None, owner: str = "target", threads: int = 1) -> CompiledStep | None:
+                      cache_dir: Path, attention=None, owner: str = "target", threads: int = 1,
+                      batched: bool = False) -> CompiledStep | None:
     """The built `CompiledStep` for `model` as `choice` wants (None: eager), for forwards of up to `threads`
-    threads. A build that fails logs why and leaves the forwards eager: a compiler problem never stops the
-    worker."""
+    threads (`batched`: with the batched graphs of plain steps under load). A build that fails logs why and
+    leaves the forwards eager: a compiler problem never stops the worker."""
     if not wants_compile(choice, model, device):
         return None
     step = CompiledStep(model, layers, step_buckets(block_size), cache_dir, autotune=serves_int4(model),
-                        attention=attention, threads=threads)
+                        attention=attention, threads=threads, batch_ranges=batch_ranges(model) if batched else ())
     try:
         step.build()
     except Exception as exc:  # noqa: BLE001 -- any compiler failure means eager, with the reason logged
         log.warning("%s: compiling the steps failed, running them eagerly: %s: %s", owner, type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "")
         return None
-    log.info("%s: steps of %s tokens compiled for up to %d threads (%.1f s compiling, %d of %d loaded from %s)",
-             owner, "/".join(map(str, step.buckets)), threads, step.compile_s, step.loaded, len(step.buckets),
-             cache_dir)
+    log.info("%s: steps of %s tokens and batched steps of %s requests compiled for up to %d threads (%.1f s "
+             "compiling, %d of %d loaded from %s)", owner, "/".join(map(str, step.buckets)),
+             ", ".join("-".join(map(str, shape.rows)) for shape in step.graphs if shape.rows[0] > 1) or "no",
+             threads, step.compile_s, step.loaded, len(step.shapes), cache_dir)
     return step

@@ -83,17 +83,37 @@ class BatchedKV:
         if self.tensors[layer_idx] is None:
             self.tensors[layer_idx] = self._lay_out(key_states, value_states, layer_idx)
         keys, values = self.tensors[layer_idx]  # [B, kv_heads, capacity, head_dim]
-        for b, cache in enumerate(self.caches):
-            layer, past, start, n = cache.layers[layer_idx], self.past[b], self.offsets[b], self.lengths[b]
+        for b in range(len(self.caches)):
+            past, start, n = self.past[b], self.offsets[b], self.lengths[b]
             keys[b, :, past:past + n] = key_states[0, :, start:start + n]
             values[b, :, past:past + n] = value_states[0, :, start:start + n]
-            end = past + n
-            layer.keys, layer.values = keys[b:b + 1, :, :end], values[b:b + 1, :, :end]  # [1, kv_heads, T_b + n_b, d]
+        self._hold_layer(layer_idx)
         return keys[:, :, :self.columns], values[:, :, :self.columns]  # [B, kv_heads, W, head_dim]
 
+    def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values) [B, kv_heads, capacity, head_dim], every row's past in columns [0, T_b), for
+        a forward that writes its new positions itself (a compiled batched step); `hold` after it."""
+        for layer_idx, tensors in enumerate(self.tensors):
+            if tensors is None:
+                like = next(cache.layers[layer_idx] for cache, past in zip(self.caches, self.past) if past)
+                self.tensors[layer_idx] = self._lay_out(like.keys, like.values, layer_idx)
+        return self.tensors
+
+    def hold(self) -> None:
+        """Every request's layers now hold its past and its new real tokens (views of its row)."""
+        for layer_idx in range(len(self.tensors)):
+            self._hold_layer(layer_idx)
+
+    def _hold_layer(self, layer_idx: int) -> None:
+        keys, values = self.tensors[layer_idx]
+        for b, cache in enumerate(self.caches):
+            end = self.past[b] + self.lengths[b]
+            layer = cache.layers[layer_idx]
+            layer.keys, layer.values = keys[b:b + 1, :, :end], values[b:b + 1, :, :end]  # [1, kv_heads, T_b + n_b, d]
+
     def _lay_out(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
-        """New tensors holding every row's past; zeros elsewhere (masked columns meet zero attention
-        weights, so they must hold finite numbers)."""
+        """New tensors (heads, head dim and dtype as `*_states` [*, kv_heads, *, head_dim]) holding every row's
+        past; zeros elsewhere (masked columns meet zero attention weights, so they must hold finite numbers)."""
         _, heads, _, dim = key_states.shape
         keys = key_states.new_zeros(len(self.caches), heads, self.capacity, dim)
         values = value_states.new_zeros(len(self.caches), heads, self.capacity, dim)

@@ -609,7 +609,8 @@ def main(cfg_dict: dict, addrs_dict: dict, layout_dict: dict, strategies: list[s
         layout = HiddenLayout(**layout_dict)
         threads = StepThreads.from_config(cfg)
         compiled = compiled_step_for(model, cfg.compile, cfg.target_device, layout.layers, cfg.block_size,
-                                     cache_root() / "compiled", packed_attention, "target", threads.most)
+                                     cache_root() / "compiled", packed_attention, "target", threads.most,
+                                     batched=cfg.batched_steps)
         runner = TargetRunner(model, layout, compiled=compiled)
         max_len = cfg.max_model_len or model.config.max_position_embeddings
         TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),

@@ -1,8 +1,9 @@
 """Compiled steps (models/compiled_step.py, target_worker/slot_kv.py) against the eager forwards they replace, on
 tiny Llama and Qwen3 models in fp32: logits and states of every block length with rollbacks of every length, batched steps in
-between, greedy decoding in every mode, shapes beyond the buckets, the package cache and a failing compiler.
-Compiling costs ~10 s a bucket here, so one build per model (buckets 1 and 4) serves every test; targets with
-sliding-window or linear-attention layers are refused (test_what_compile_choices_mean)."""
+between (compiled for one token per request, eager otherwise), greedy decoding in every mode, shapes beyond the buckets,
+the package cache and a failing compiler. Compiling costs ~10 s a graph here, so one build per model (buckets 1 and 4,
+batches of 2-3 requests) serves every test; targets with sliding-window or linear-attention layers are refused
+(test_what_compile_choices_mean)."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from foresight.config import ConfigError, EngineConfig
-from foresight.models.compiled_step import CompiledStep, compiled_step_for, step_buckets, wants_compile
+from foresight.models.compiled_step import (MAX_BATCH, CompiledStep, GraphShape, batch_ranges, compiled_step_for,
+                                            step_buckets, wants_compile)
 from foresight.protocol.messages import HiddenLayout
 from foresight.target_worker.packed_step import packed_attention
 from foresight.target_worker.runner import TargetRunner
@@ -23,6 +25,7 @@ from support.tiny_models import plain_greedy, tiny_model
 torch.set_num_threads(1)
 
 LAYERS = (1, 3)
+BATCHES = ((2, 3),)  # the batched graph's range of requests
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 40, 41, 3]
 
 
@@ -39,7 +42,8 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compiled(model, cache_dir):
     """Graphs split for two threads (a target that borrows the drafter's core), run at one unless a test says."""
-    step = CompiledStep(model, LAYERS, (1, 4), cache_dir, autotune=False, attention=packed_attention, threads=2)
+    step = CompiledStep(model, LAYERS, (1, 4), cache_dir, autotune=False, attention=packed_attention, threads=2,
+                        batch_ranges=BATCHES)
     step.build()
     return step
 
@@ -81,10 +85,86 @@ def test_compiled_forwards_equal_eager_ones_through_rollbacks_and_batched_steps(
             kept[row] += block[:len(block) - rejected]
             assert slots[row].get_seq_length() == plain[row].get_seq_length() == len(kept[row])
     assert rejected_counts == {0, 1, 2, 3} and fast.eager_forwards == 0
+    assert fast.eager_batches == 24 // 5  # blocks of several tokens: no batched graph takes them
     for cache, tokens in zip(slots, kept):
         with torch.inference_mode():
             full = model(torch.tensor([tokens + [3]])).logits[0, -1]
         torch.testing.assert_close(fast.verify(cache, 3, []).logits[0], full, atol=1e-4, rtol=1e-4)
+
+
+def test_plain_steps_of_several_requests_run_the_batched_graph(model, compiled):
+    """One token per request for two or three requests (the batch laid out anew when it changes, reused while it
+    stays), single-request steps with rollbacks in between (each request's layers move back to buffers of their
+    own): logits, states and caches stay the eager forwards', and end as a full forward over the kept tokens."""
+    eager, fast = TargetRunner(model, layout(model)), TargetRunner(model, layout(model), compiled=compiled)
+    prompts = [PROMPT, PROMPT[3:] + [17, 18], PROMPT[:7]]
+    plain = [eager.new_cache() for _ in prompts]
+    slots = [fast.new_cache() for _ in prompts]
+    kept = [list(p) for p in prompts]
+    for prompt, a, b in zip(prompts, plain, slots):
+        eager.prefill(a, prompt)
+        fast.prefill(b, prompt)
+    gen = torch.Generator().manual_seed(1)
+    reused = []
+    for step in range(14):
+        if step % 5 == 4:  # one request alone: a 3-token block, its last two drafts rejected
+            row = step % 3
+            block = torch.randint(1, 90, (3,), generator=gen).tolist()
+            want, got = eager.verify(plain[row], block[0], block[1:]), fast.verify(slots[row], block[0], block[1:])
+            torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+            eager.rollback(plain[row], 2, want)
+            fast.rollback(slots[row], 2, got)
+            kept[row].append(block[0])
+            continue
+        rows = [0, 1, 2] if step % 3 else [0, 2]
+        blocks = [torch.randint(1, 90, (1,), generator=gen).tolist() for _ in rows]
+        want = eager.verify_batch([plain[r] for r in rows], blocks)
+        got = fast.verify_batch([slots[r] for r in rows], blocks)
+        reused.append(fast.last_batch.reused)
+        for r, block, w, g in zip(rows, blocks, want, got):
+            torch.testing.assert_close(g.logits, w.logits, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(g.hidden, w.hidden, atol=1e-5, rtol=1e-5)
+            kept[r] += block
+    assert fast.eager_batches == 0 and fast.eager_forwards == 0
+    assert any(reused) and not all(reused)
+    for cache, tokens in zip(slots, kept):
+        assert cache.get_seq_length() == len(tokens)
+        with torch.inference_mode():
+            full = model(torch.tensor([tokens + [3]])).logits[0, -1]
+        torch.testing.assert_close(fast.verify(cache, 3, []).logits[0], full, atol=1e-4, rtol=1e-4)
+
+
+def test_batches_no_batched_graph_takes_run_eager_and_are_counted(model, compiled):
+    """More requests than the graph's range, and blocks of several tokens, run the eager packed forward."""
+    eager, fast = TargetRunner(model), TargetRunner(model, compiled=compiled)
+    plain = [eager.new_cache() for _ in range(4)]
+    slots = [fast.new_cache() for _ in range(4)]
+    for i, (a, b) in enumerate(zip(plain, slots)):
+        eager.prefill(a, PROMPT[i:])
+        fast.prefill(b, PROMPT[i:])
+    for blocks in ([[3], [4], [5], [6]], [[3, 4], [5]]):
+        want = eager.verify_batch(plain[:len(blocks)], blocks)
+        got = fast.verify_batch(slots[:len(blocks)], blocks)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g.logits, w.logits, atol=1e-5, rtol=1e-5)
+    assert fast.eager_batches == 2
+    assert compiled.batch_graph(3) == GraphShape(1, (2, 3)) and compiled.batch_graph(4) is None
+
+
+def test_a_batched_graph_that_fails_to_compile_leaves_those_steps_eager(model, tmp_path, monkeypatch, caplog):
+    real = CompiledStep.compile
+
+    def fails_batched(self, shape, path):
+        if shape.rows != (1, 1):
+            raise RuntimeError("injected batched compile failure")
+        return real(self, shape, path)
+
+    monkeypatch.setattr(CompiledStep, "compile", fails_batched)
+    step = CompiledStep(model, (), (1,), tmp_path, autotune=False, attention=packed_attention, batch_ranges=BATCHES)
+    with caplog.at_level(logging.WARNING, logger="foresight.compiled_step"):
+        step.build()
+    assert list(step.graphs) == [GraphShape(1)] and step.batch_graph(2) is None
+    assert "injected batched compile failure" in caplog.text
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -159,6 +239,7 @@ def test_a_failing_compiler_leaves_the_steps_eager(model, tmp_path, monkeypatch,
 
 def test_what_compile_choices_mean(model):
     assert step_buckets(8) == (1, 2, 4, 8) and step_buckets(6) == (1, 2, 4, 6) and step_buckets(2) == (1, 2)
+    assert batch_ranges(model) == ((2, MAX_BATCH),)  # dense linears: one path at every batch size
     assert not wants_compile("off", model, "cpu")
     assert wants_compile("on", model, "cpu")
     assert not wants_compile("auto", model, "cpu")  # dense: not measured faster
