@@ -17,8 +17,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 ARG UID=10001
 RUN useradd --create-home --uid ${UID} --shell /usr/sbin/nologin foresight \
- && mkdir -p /opt/foresight/cache \
- && chown foresight:foresight /opt/foresight/cache
+ && mkdir -p /opt/foresight/cache/compiled \
+ && chown -R foresight:foresight /opt/foresight/cache
 
 # .dockerignore lets in only pyproject.toml, README.md, foresight/ and checkpoints/
 COPY . /opt/foresight/src
