@@ -73,9 +73,15 @@ def grammar_only(result, allowed: torch.Tensor, head) -> torch.Tensor:
 
 
 def masked(rules, allowed: torch.Tensor):
-    """`rules` (None: none) followed by -inf at the tokens `allowed` [rows, vocab] (bool) rules out."""
+    """`rules` (None: none) followed by -inf at the tokens `allowed` [rows, vocab] (bool) rules out. Where the two
+    leave a row no token (min_tokens holding back the stop tokens that are all a complete grammar still allows), the
+    grammar wins: that row keeps the unruled logits of what the grammar allows, so the request may end there."""
     def apply(logits: torch.Tensor) -> torch.Tensor:
-        return (logits.float() if rules is None else rules(logits)).masked_fill(~allowed, float("-inf"))
+        out = (logits.float() if rules is None else rules(logits)).masked_fill(~allowed, float("-inf"))
+        empty = ~out.isfinite().any(-1)  # [rows]
+        if rules is not None and empty.any():
+            out[empty] = logits[empty].float().masked_fill(~allowed[empty], float("-inf"))
+        return out
     return apply
 
 

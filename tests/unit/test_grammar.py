@@ -158,3 +158,36 @@ def test_a_completed_grammar_ends_the_request_even_with_ignore_eos(model, tokeni
     want = masked_greedy(model, tokenizer, grammar, 80)
     got = run(model, tokenizer, "sync", grammar, script=want, temperature=0.0, ignore_eos=True)
     assert got["error"] is None and got["reason"] == "stop" and without_eos(got["tokens"]) == without_eos(want)
+
+
+@pytest.mark.parametrize("mode", ["ar", "sync"])
+def test_a_grammar_that_ends_before_min_tokens_ends_the_request(model, tokenizer, mode):
+    """min_tokens longer than the JSON: the request ends where the grammar is complete (finish reason stop), with
+    the output plain masked decoding gives."""
+    grammar = compiled(SCHEMAS["object"], "response_format")
+    want = masked_greedy(model, tokenizer, grammar, 80)
+    got = run(model, tokenizer, mode, grammar, script=want, temperature=0.0, min_tokens=79)
+    assert got["error"] is None and got["reason"] == "stop"
+    assert without_eos(got["tokens"]) == without_eos(want) and len(got["tokens"]) < 79
+
+
+def test_a_row_min_tokens_and_the_grammar_leave_empty_takes_the_grammars_end(tokenizer):
+    """The grammar's last token accepted as a draft: the row after it allows only the eos, which min_tokens holds
+    back. The grammar wins (the eos stays allowed) instead of a row with no token at all, whose argmax (token 0)
+    the grammar then refused (a 500)."""
+    from types import SimpleNamespace
+
+    from foresight.protocol.messages import SamplingParams
+    from foresight.target_worker.logit_rules import LogitRules
+    from foresight.target_worker.steps import ruled
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    state = SimpleNamespace(grammar=GrammarState(grammar_tokenizer(tokenizer, VOCAB, [EOS]),
+                                                 compiled(schema, "response_format"), VOCAB),
+                            rules=LogitRules.of(SamplingParams(min_tokens=50), PROMPT, [EOS]), output_ids=[])
+    draft = tokenizer.encode('{"n": 5}')  # every draft allowed; the row after the last one allows only the eos
+    logits = torch.randn(len(draft) + 1, VOCAB)
+    out = ruled(state, SimpleNamespace(logits=logits, head_input=None), draft, None)
+    assert out[:-1].isfinite().any(-1).all() and not out[:-1, EOS].isfinite().any()  # min_tokens holds
+    assert out[-1].isfinite().nonzero().flatten().tolist() == [EOS]
