@@ -64,6 +64,7 @@ from .step_threads import StepThreads, drafter_busy, winding_down_only
 from .logit_rules import LogitRules
 from .logprobs import committed_logprobs, prompt_chunk_logprobs
 from .grammar import GrammarError, GrammarState, grammar_tokenizer
+from .shared_prefill import prefill_twins, take_prefill
 from .steps import RoundDrafts, StepPlan, drafter_seed, eos_ids, last_row, ruled, take_verdict, verify_block
 from .strategy_choice import LOCAL_STRATEGIES, StrategyChooser, request_group, round_context
 
@@ -106,6 +107,7 @@ class TargetWorker:
                      runner.config._attn_implementation)
         self.policy = LoadPolicy() if self.batching else None  # whether rounds may draft under load
         self.step_tokens, self.step_ended = 0, time.perf_counter()  # tokens committed in the step; its end
+        self.prefills_shared = 0  # requests that started from another's prefill of the same prompt
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
         self._grammar_tokenizer = None  # llguidance's view of `tokenizer`, made at the first grammar (~0.3 s)
@@ -343,11 +345,22 @@ class TargetWorker:
             state.prefill_hidden.append(result.hidden)
         if not state.prefilled:
             return
+        hidden = torch.cat(state.prefill_hidden) if state.prefill_hidden else None  # [prompt, n_layers * hidden]
+        state.prefill_hidden = []
+        twins = prefill_twins(state, list(self.requests.values()))
+        for twin in twins:  # before anything of `state` moves on: its cache holds exactly the prompt
+            take_prefill(twin, state)
+        self.prefills_shared += len(twins)
+        for s in [state, *twins]:
+            self.guarded(s, self.start_generating, s, result, hidden)
+
+    def start_generating(self, state: RequestState, result, hidden: torch.Tensor | None) -> None:
+        """The prompt is in the cache (`result`: the logits of its last position; `hidden` [prompt, width]: its
+        target states): commit the first token and start the drafter on the request."""
+        req = state.request
         if req.max_tokens == 0:  # scoring the prompt only (echo): nothing to generate
             self.finish_unstarted(state)
             return
-        hidden = torch.cat(state.prefill_hidden) if state.prefill_hidden else None  # [prompt, n_layers * hidden]
-        state.prefill_hidden = []
         decided = ruled(state, result, [], self.runner.head)
         verdict = verify_block(decided, [], req.sampling, state.draws, len(req.prompt_ids))
         take_verdict(state, verdict)
