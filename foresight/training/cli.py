@@ -5,6 +5,9 @@
         phase "label": teacher-force the target over stdlib conversations (and, with --regen N, over its own
         answers to N prompts) and store hidden states + top-k once in the data dir (resumable);
         phase "train": train the draft model on the labelled data, checkpointing into --out (resumable).
+    foresight train label [--out data/chat] [--url URL] [--concurrency N] [--time-budget S] [--items N] [engine flags]
+        the target's own chat answers through the serving engine, kept as token-id shards in the repository
+        (training/engine_labels.py; resumable, append-only).
     foresight train adapter --data-dir DIR --out DIR [--steps N] [--resume] [--threads T] [--device cpu|cuda]
                             [--decoder-layers N --kl-weight W] [--state-weight W] [--time-budget SECONDS]
         train the hidden-to-hidden adapter on labelled data (resumable; see training/train_adapter.py). The loss
@@ -82,6 +85,19 @@ def add_train_args(sub) -> None:
     d.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--resume", action="store_true", help="continue the training state in --out")
+
+    lab = what.add_parser("label", help="the target's own chat answers through the serving engine, as token-id "
+                                        "shards in the repository (training/engine_labels.py)")
+    from ..config import add_engine_args
+
+    add_engine_args(lab)  # the server started here (none with --url); --seed seeds its draws and the plan
+    lab.add_argument("--out", default="data/chat", help="the shards' folder (append-only; default data/chat)")
+    lab.add_argument("--url", default=None, help="a running server to label through (default: start one)")
+    lab.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    lab.add_argument("--time-budget", type=float, default=0.0,
+                     help="seconds: no item starts after it, those running finish (0 = no limit)")
+    lab.add_argument("--items", type=int, default=0, help="plan items to finish in this run (0 = no limit)")
+    lab.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
 
     a = what.add_parser("adapter", help="train the hidden-to-hidden adapter on labelled data")
     a.add_argument("--data-dir", required=True, help="labelled data (from `train drafter --phase label`)")
@@ -201,7 +217,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.train_what == "adapter":
         return train_adapter_cmd(args)
+    if args.train_what == "label":
+        return label_cmd(args)
     return train_drafter(args)
+
+
+def label_cmd(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from ..config import engine_from_args
+    from .engine_labels import label_with_server
+
+    counts = asyncio.run(label_with_server(args, engine_from_args(args)))
+    print(json.dumps(counts, indent=1))
+    return 0
 
 
 def train_adapter_cmd(args: argparse.Namespace) -> int:
