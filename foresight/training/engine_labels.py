@@ -15,6 +15,7 @@ turn is answered after the first. A kept sequence is the whole conversation in t
 from __future__ import annotations
 
 import asyncio
+import os
 import platform
 import sys
 import time
@@ -149,10 +150,20 @@ async def label_items(labeller: EngineLabeller, store: LabelStore, concurrency: 
 def run_summary(counts: dict, server: str) -> dict:
     """This run's line in the manifest (and the data card)."""
     return {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - counts["wall_s"])),
-            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "server": server,
+            "machine": machine_name(), "server": server,
             "items": counts["items"], "kept": counts["kept"], "dropped": counts["dropped"],
             "completion_tokens": counts["completion_tokens"], "wall_s": round(counts["wall_s"], 1),
             "tokens_per_s": counts["completion_tokens"] / max(counts["wall_s"], 1e-9)}
+
+
+def machine_name() -> str:
+    """This CPU's model and core count (the rate depends on them)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.machine()
+    return f"{model}, {os.cpu_count()} cores"
 
 
 async def label_with_server(args, cfg) -> dict:
