@@ -130,3 +130,9 @@ def live_server(tmp_path_factory) -> LiveServer:
 def server_factory(tmp_path):
     """`with server_factory("--flag", ...) as server:` starts a private server for one test."""
     return lambda *args: start_server(tmp_path, list(args))
+
+
+@pytest.fixture(scope="module")
+def module_server_factory(tmp_path_factory):
+    """`server_factory` for a module's fixtures: each server a folder of its own."""
+    return lambda *args: start_server(tmp_path_factory.mktemp("server"), list(args))
