@@ -64,13 +64,14 @@ def main() -> None:
         runners["compiled"] = TargetRunner(model, compiled=compiled)
     one = {}
     for requests in REQUESTS:
+        ms = {name: median_step_ms(runner, requests) for name, runner in runners.items()}
         cells = []
-        for name, runner in runners.items():
-            ms = median_step_ms(runner, requests)
-            one.setdefault(name, ms)
-            cells.append(f"{name} {ms:5.1f} ms/step ({requests * one[name] / ms:.2f}x its one-request throughput)")
-        if len(runners) > 1:
-            cells.append(f"compiled {float(cells[0].split()[1]) / float(cells[1].split()[1]):.2f}x eager")
+        for name, step_ms in ms.items():
+            one.setdefault(name, step_ms)
+            cells.append(f"{name} {step_ms:5.1f} ms/step ({requests * one[name] / step_ms:.2f}x its one-request "
+                         f"throughput)")
+        if "compiled" in ms:
+            cells.append(f"compiled {ms['eager'] / ms['compiled']:.2f}x eager")
         print(f"{dtype} {threads}t {requests:2d} requests: " + "; ".join(cells), flush=True)
     if "compiled" in runners:
         print(f"eager batched steps of the compiled runner: {runners['compiled'].eager_batches}")

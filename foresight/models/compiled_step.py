@@ -15,8 +15,10 @@ their first W columns, so the buffers must already hold the request's past in co
 bucket (target_worker/slot_kv.py). A batched graph does the same for each row of batched buffers
 (target_worker/batched_kv.py: row b holds request b's past). Its batch size B is symbolic over a range in which
 every linear layer takes one path: an int4 target's layers run the int4 kernel up to INT4_MAX_ROWS rows and a
-dense copy past them (models/int4_linear.py), so each side of that line has a graph of its own. It returns the last decoder layer's output before the final
-norm (the runner's logit head takes it from there, fp32 included) and the hidden states the drafter reads.
+dense copy past them (models/int4_linear.py), so each side of that line has a graph of its own.
+
+A graph returns the last decoder layer's output before the final norm (the runner's logit head takes it from there,
+fp32 included) and the hidden states the drafter reads.
 
 The graphs are compiled for the most threads a forward may get (the target's own plus the drafter's it borrows
 while the drafter idles, target_worker/step_threads.py) with inductor's dynamic threads: each parallel region then
@@ -66,6 +68,11 @@ class GraphShape:
     def name(self) -> str:
         low, high = self.rows
         return str(self.tokens) if high == 1 else f"{self.tokens}x{low}-{high}"
+
+    @property
+    def batched(self) -> bool:
+        """A graph of several requests (one token each)."""
+        return self.rows[0] > 1
 
     @property
     def example_rows(self) -> int:
@@ -171,8 +178,7 @@ class CompiledStep:
 
     def batch_graph(self, rows: int) -> GraphShape | None:
         """The built graph for one new token of each of `rows` requests (None: none takes that many)."""
-        return next((shape for shape in self.graphs if shape.rows[0] > 1 and shape.rows[0] <= rows <= shape.rows[1]),
-                    None)
+        return next((shape for shape in self.graphs if shape.batched and shape.rows[0] <= rows <= shape.rows[1]), None)
 
     def build(self) -> None:
         """Load each graph's package from the cache, compiling the missing ones. A batched graph that fails to
@@ -182,10 +188,11 @@ class CompiledStep:
             try:
                 self.graphs[shape] = self.load(shape, self.cache_dir / f"step-{key}-{shape.name}.pt2")
             except Exception as exc:  # noqa: BLE001 -- a batched graph is optional; one request's are not
-                if shape.rows == (1, 1):
+                if not shape.batched:
                     raise
                 log.warning("the batched step of %s requests failed to compile and runs eager: %s: %s",
-                            "-".join(map(str, shape.rows)), type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                            "-".join(map(str, shape.rows)), type(exc).__name__,
+                            str(exc).splitlines()[0] if str(exc) else "")
         prune_stale(self.cache_dir)
 
     def load(self, shape: GraphShape, path: Path):
@@ -383,6 +390,6 @@ def compiled_step_for(model: nn.Module, choice: str, device: str, layers: tuple[
         return None
     log.info("%s: steps of %s tokens and batched steps of %s requests compiled for up to %d threads (%.1f s "
              "compiling, %d of %d loaded from %s)", owner, "/".join(map(str, step.buckets)),
-             ", ".join("-".join(map(str, shape.rows)) for shape in step.graphs if shape.rows[0] > 1) or "no",
+             ", ".join("-".join(map(str, shape.rows)) for shape in step.graphs if shape.batched) or "no",
              threads, step.compile_s, step.loaded, len(step.shapes), cache_dir)
     return step

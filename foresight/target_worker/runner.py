@@ -64,7 +64,7 @@ class TargetRunner:
         if self.compiled is None:
             return {"buckets": [], "batch_ranges": [], "compile_s": 0.0, "loaded": 0, "threads": 0}
         return {"buckets": list(self.compiled.buckets),
-                "batch_ranges": [list(shape.rows) for shape in self.compiled.graphs if shape.rows[0] > 1],
+                "batch_ranges": [list(shape.rows) for shape in self.compiled.graphs if shape.batched],
                 "compile_s": round(self.compiled.compile_s, 1), "loaded": self.compiled.loaded,
                 "threads": self.compiled.threads}
 

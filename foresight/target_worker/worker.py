@@ -347,7 +347,7 @@ class TargetWorker:
             return
         hidden = torch.cat(state.prefill_hidden) if state.prefill_hidden else None  # [prompt, n_layers * hidden]
         state.prefill_hidden = []
-        twins = prefill_twins(state, list(self.requests.values()))
+        twins = prefill_twins(state, self.requests.values())
         for twin in twins:  # before anything of `state` moves on: its cache holds exactly the prompt
             take_prefill(twin, state)
         self.prefills_shared += len(twins)

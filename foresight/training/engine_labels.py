@@ -15,8 +15,6 @@ turn is answered after the first. A kept sequence is the whole conversation in t
 from __future__ import annotations
 
 import asyncio
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -147,29 +145,20 @@ async def label_items(labeller: EngineLabeller, store: LabelStore, concurrency: 
     return counts
 
 
-def run_summary(counts: dict, server: str) -> dict:
-    """This run's line in the manifest (and the data card)."""
+def run_summary(counts: dict, server: str, machine: dict) -> dict:
+    """This run's line in the manifest (and the data card); `machine`: the bench's `machine_info`."""
     return {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - counts["wall_s"])),
-            "machine": machine_name(), "server": server,
+            "machine": f"{machine['cpu']}, {machine['cores']} cores", "server": server,
             "items": counts["items"], "kept": counts["kept"], "dropped": counts["dropped"],
             "completion_tokens": counts["completion_tokens"], "wall_s": round(counts["wall_s"], 1),
             "tokens_per_s": counts["completion_tokens"] / max(counts["wall_s"], 1e-9)}
-
-
-def machine_name() -> str:
-    """This CPU's model and core count (the rate depends on them)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.machine()
-    return f"{model}, {os.cpu_count()} cores"
 
 
 async def label_with_server(args, cfg) -> dict:
     """`foresight train label`: label through --url, or through a server started here with the engine flags."""
     from transformers import AutoTokenizer
 
+    from ..bench.harness import machine_info
     from ..bench.load import running_server
     from ..target_worker.loading import cache_root, resolve_target
 
@@ -186,7 +175,7 @@ async def label_with_server(args, cfg) -> dict:
             async with running_server(cfg, cfg.mode, log_path, [], client) as base:
                 counts = await label_at(client, base, store, tokenizer, decontaminator, args)
             server = f"foresight serve --mode {cfg.mode} --dtype {cfg.dtype}"
-    store.pack(run_summary(counts, server))
+    store.pack(run_summary(counts, server, machine_info(cfg)))
     return counts
 
 

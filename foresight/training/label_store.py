@@ -56,7 +56,8 @@ class LabelStore:
         return records
 
     def add(self, record: dict) -> None:
-        """One finished item: {"item", "tokens" (None when dropped), "kind", "sampled", "dropped" (a reason or None)}."""
+        """One finished item: {"item", "tokens" (None when dropped), "kind", "sampled", "dropped" (a reason or
+        None)}."""
         self.pending.parent.mkdir(parents=True, exist_ok=True)
         with open(self.pending, "a") as out:
             out.write(json.dumps(record) + "\n")
@@ -153,7 +154,8 @@ def data_card(manifest: dict, folder: Path) -> str:
              f"{sum(hi - lo for lo, hi in manifest['done'])}", "", "| kind | tokens |", "| --- | --- |"]
     lines += [f"| {kind} | {count} |" for kind, count in sorted(by_kind.items())]
     lines += ["", "Runs (labelled tokens per second: the answers' completion tokens over the run's wall time):", "",
-              "| started | machine | server | items | completion tokens | tokens/s |", "| --- | --- | --- | --- | --- | --- |"]
+              "| started | machine | server | items | completion tokens | tokens/s |",
+              "| --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['started']} | {r['machine']} | {r['server']} | {r['items']} | {r['completion_tokens']} | "
               f"{r['tokens_per_s']:.1f} |" for r in manifest["runs"]]
     return "\n".join(lines) + "\n"
