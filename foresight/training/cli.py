@@ -2,8 +2,9 @@
 `foresight calibrate-foresight`.
 
     foresight train drafter --out DIR [--device cpu|cuda] [--steps N] [--data-dir DIR] [--resume] [--seed S]
-        phase "label": teacher-force the target over stdlib conversations (and, with --regen N, over its own
-        answers to N prompts) and store hidden states + top-k once in the data dir (resumable);
+        phase "label": teacher-force the target over the token shards of --shards (data/chat), stdlib
+        conversations (and, with --regen N, over its own answers to N prompts) and store hidden states + top-k
+        once in the data dir (resumable; the data dir is a cache outside the repository);
         phase "train": train the draft model on the labelled data, checkpointing into --out (resumable).
     foresight train label [--out data/chat] [--url URL] [--concurrency N] [--time-budget S] [--items N] [engine flags]
         the target's own chat answers through the serving engine, kept as token-id shards in the repository
@@ -60,6 +61,9 @@ def add_train_args(sub) -> None:
     d.add_argument("--chat", type=int, default=None,
                    help="chat requests the target writes (self-instruct) and answers, 0 = none (recipe default)")
     d.add_argument("--chat-tokens", type=int, default=None, help="stop the chat stream at this many tokens")
+    d.add_argument("--shards", default=None,
+                   help="a folder of token-id shards (`train label` writes data/chat): teacher-force the target over "
+                        "every sequence in it first (resumes after the sequences already labelled)")
     d.add_argument("--label-time", type=float, default=0.0,
                    help="seconds for the label phase: no generate/label call starts that would end after it "
                         "(what is labelled is kept; 0 = no limit)")
@@ -256,14 +260,17 @@ def train_adapter_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def label_streams(labeller, data, tokenizer, pick, seed: int) -> None:
-    """The chat stream (requests the target writes, then answers), then the code streams (teacher-forced
-    stdlib conversations, the target's answers to their prompts); `pick(name)` gives a recipe setting."""
+def label_streams(labeller, data, tokenizer, pick, seed: int, shards: str | None = None) -> None:
+    """The repository's token shards (`shards`), the chat stream (requests the target writes, then answers), then
+    the code streams (teacher-forced stdlib conversations, the target's answers to their prompts); `pick(name)`
+    gives a recipe setting."""
     from ..target_worker.steps import eos_ids
     from .chat_data import chat_requests, label_chat
     from .corpus import training_conversations
-    from .labelling import chat_ids, label_all
+    from .labelling import chat_ids, label_all, label_shards
 
+    if shards:
+        label_shards(labeller, data, Path(shards))
     eos = eos_ids(labeller.model)
     encode = lambda messages, prompt: chat_ids(tokenizer, messages, prompt)  # noqa: E731
     if pick("chat") > 0:
@@ -311,7 +318,7 @@ def train_drafter(args: argparse.Namespace) -> int:
         settings = LabelSettings(layers=layers, topk=topk, max_len=args.max_len, batch_size=pick("label_batch"),
                                  regen_batch=pick("regen_batch"),
                                  deadline=time.monotonic() + args.label_time if args.label_time > 0 else 0.0)
-        label_streams(Labeller(target, settings), data, tokenizer, pick, args.seed)
+        label_streams(Labeller(target, settings), data, tokenizer, pick, args.seed, args.shards)
         after = sum(st["tokens"] for st in data.meta["streams"].values())
         timings["label_s"] = time.perf_counter() - t0
         timings["labelled_tokens"] = after - before

@@ -113,12 +113,19 @@ class LabelStore:
 
     def sequences(self) -> list[list[int]]:
         """Every packed sequence, shard by shard."""
-        out = []
-        for shard in self.manifest["shards"]:
-            data = np.load(self.folder / shard["file"])
-            tokens, offsets = data["tokens"], data["offsets"]
-            out += [tokens[offsets[s]:offsets[s + 1]].astype(np.int64).tolist() for s in range(len(offsets) - 1)]
-        return out
+        return packed_sequences(self.folder)
+
+
+def packed_sequences(folder: Path) -> list[list[int]]:
+    """Every sequence of the shards in `folder`, in manifest order: shards are only ever appended, so a sequence
+    keeps its index from run to run (a teacher-forcing pass over them resumes by index)."""
+    manifest = json.loads((Path(folder) / MANIFEST).read_text())
+    out = []
+    for shard in manifest["shards"]:
+        data = np.load(Path(folder) / shard["file"])
+        tokens, offsets = data["tokens"], data["offsets"]
+        out += [tokens[offsets[s]:offsets[s + 1]].astype(np.int64).tolist() for s in range(len(offsets) - 1)]
+    return out
 
 
 def merged_ranges(ranges: list[list[int]], items: list[int]) -> list[list[int]]:

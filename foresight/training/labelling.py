@@ -2,6 +2,7 @@
 
 Data dir (default ~/.cache/foresight/train/<target>-<layers>-k<k>/, never in git):
     meta.json                      target, layers, k, and per stream the items done and its shards
+    shards_chat_00000.safetensors  the repository's token-id shards (data/chat) teacher-forced (label_shards)
     text_00000.safetensors ...     teacher-forced stdlib conversations
     regen_00000.safetensors ...    the target's own answers to prompts built from the same text (optional)
 Each shard holds whole sequences:
@@ -179,6 +180,15 @@ def label_stream(labeller: Labeller, data: DataDir, name: str, items: list, to_i
             pending, pending_tokens = [], 0
         last_call_s = time.monotonic() - started
     bar.close()
+
+
+def label_shards(labeller: Labeller, data: DataDir, folder: Path) -> None:
+    """Teacher-force the target over every sequence of the token-id shards in `folder` (label_store.py), in their
+    append-only order: a later run labels only the sequences added since (and what a killed run left)."""
+    from .label_store import packed_sequences
+
+    label_stream(labeller, data, f"shards_{Path(folder).name}", packed_sequences(Path(folder)),
+                 lambda batch, _: batch, max_tokens=None)
 
 
 def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:

@@ -20,7 +20,8 @@ from foresight.training.corpus import Conversation, Decontaminator, conversation
 from foresight.training.dataset import LabelledData, choose_vocab_subset, sample_blocks
 from foresight.training.draft_init import initialise, validate_init
 from foresight.training.eval_drafter import greedy_reference, speculate
-from foresight.training.labelling import DataDir, LabelSettings, Labeller, label_all
+from foresight.training.label_store import LabelStore
+from foresight.training.labelling import DataDir, LabelSettings, Labeller, label_all, label_shards
 from foresight.training.run_files import BUDGET_PROBE, steps_within_budget
 from foresight.training.train_drafter import TrainSettings, build_model, kl_loss, lr_at, train
 from support.tiny_models import VOCAB, plain_greedy, tiny_model
@@ -137,6 +138,33 @@ def test_labelling_resumes_without_duplicates(tmp_path, target, conversations):
     assert st["shards"][:len(first["shards"])] == first["shards"]
     with pytest.raises(ValueError):
         DataDir(tmp_path, {**header, "topk": 8})
+
+
+def test_repository_shards_are_labelled_in_order_and_resume_after_an_appended_shard(tmp_path, target):
+    """`train drafter --shards data/chat`: every sequence of the token-id shards is teacher-forced once, in the
+    store's order; a shard appended later is labelled by the next run and nothing is labelled twice."""
+    store = LabelStore(tmp_path / "chat", tmp_path / "pending.jsonl")
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, VOCAB - 1, (int(n),), generator=gen).tolist() for n in (30, 41, 25, 60, 33)]
+
+    def append(sequences, first):
+        for i, seq in enumerate(sequences):
+            store.add({"item": first + i, "tokens": seq, "kind": "t", "sampled": False, "dropped": None})
+        store.pack()
+
+    append(seqs[:3], 0)
+    settings = LabelSettings(layers=LAYERS, topk=4, max_len=200, min_len=20, shard_tokens=50)
+    header = {"target_name": "tiny", "layers": LAYERS, "topk": 4}
+    label_shards(Labeller(target, settings), DataDir(tmp_path / "labels", header), tmp_path / "chat")
+    append(seqs[3:], 3)
+    label_shards(Labeller(target, settings), DataDir(tmp_path / "labels", header), tmp_path / "chat")
+    data = LabelledData(tmp_path / "labels")
+    assert [data.seq_tokens(i).tolist() for i in range(len(data))] == seqs
+    stream = data.meta["streams"]["shards_chat"]
+    assert stream["items_done"] == 5 and stream["tokens"] == sum(map(len, seqs))
+    with torch.no_grad():
+        logits = target(torch.tensor(seqs[4])[None]).logits[0]
+    assert torch.equal(data.read(4, "topk_ids", 0, len(seqs[4]))[:, 0].long(), logits.argmax(-1))
 
 
 def test_block_sampling(data_dir):
