@@ -259,9 +259,21 @@ def stop_server(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> Non
         process.wait(timeout=10)
 
 
+class ServerURL(str):
+    """A running server's base URL, with its process attached (the bench of replicas kills one)."""
+
+    process: subprocess.Popen
+
+    def __new__(cls, base: str, process: subprocess.Popen) -> "ServerURL":
+        self = super().__new__(cls, base)
+        self.process = process
+        return self
+
+
 @contextlib.asynccontextmanager
 async def running_server(cfg: EngineConfig, mode: str, log_path: Path, extra: list[str], client):
-    """Start `foresight serve --mode <mode>`, wait for /health 200, yield its base URL; always stop it."""
+    """Start `foresight serve --mode <mode>`, wait for /health 200, yield its base URL (a `ServerURL`); always
+    stop it."""
     port = _free_port()
     cmd = serve_argv(cfg, mode, port, extra)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -286,7 +298,7 @@ async def running_server(cfg: EngineConfig, mode: str, log_path: Path, extra: li
                 raise ConfigError(f"the server for mode {mode} did not answer 200 on /health within "
                                   f"{HEALTH_TIMEOUT_S:.0f} s; its log ({log_path}) ends:\n{_log_tail(log_path)}")
             await asyncio.sleep(0.5)
-        yield base
+        yield ServerURL(base, process)
     finally:
         await asyncio.to_thread(stop_server, process)
 

@@ -87,11 +87,11 @@ def _stop(process: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 
 @contextlib.contextmanager
-def start_server(log_dir: Path, extra_args: list[str] | None = None):
-    """Start `foresight serve` on a free port, wait for /health 200, yield a LiveServer, stop it."""
+def start_server(log_dir: Path, extra_args: list[str] | None = None, port: int | None = None):
+    """Start `foresight serve` on `port` (default: a free one), wait for /health 200, yield a LiveServer, stop it."""
     if importlib.util.find_spec(SERVER_MODULE) is None:
         pytest.skip(f"{SERVER_MODULE} does not exist yet: no `foresight serve` to test")
-    port = free_port()
+    port = port or free_port()
     log_path = log_dir / "server.log"
     cmd = [sys.executable, "-m", SERVER_MODULE, "serve", "--port", str(port), "--host", "127.0.0.1",
            "--dtype", suite_dtype()]
@@ -128,8 +128,13 @@ def live_server(tmp_path_factory) -> LiveServer:
 
 @pytest.fixture
 def server_factory(tmp_path):
-    """`with server_factory("--flag", ...) as server:` starts a private server for one test."""
-    return lambda *args: start_server(tmp_path, list(args))
+    """`with server_factory("--flag", ..., name="a", port=None) as server:` starts a private server for one test,
+    logging to <tmp_path>/<name>/server.log (several at once need names of their own)."""
+    def factory(*args: str, name: str = "", port: int | None = None):
+        folder = tmp_path / name
+        folder.mkdir(exist_ok=True)
+        return start_server(folder, list(args), port=port)
+    return factory
 
 
 @pytest.fixture(scope="module")

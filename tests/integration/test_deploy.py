@@ -43,6 +43,12 @@ DEPLOY = REPO_ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
 COMPOSE_CPU = DEPLOY / "docker-compose.cpu.yml"
 PROMETHEUS_YML = DEPLOY / "prometheus" / "prometheus.yml"
+COMPOSE_REPLICAS = DEPLOY / "docker-compose.replicas.yml"
+COMPOSE_REPLICAS_CPU = DEPLOY / "docker-compose.replicas.cpu.yml"
+PROMETHEUS_REPLICAS_YML = DEPLOY / "prometheus" / "prometheus-replicas.yml"
+HAPROXY_CFG = DEPLOY / "haproxy" / "haproxy.cfg"
+KUBERNETES = DEPLOY / "kubernetes" / "foresight.yaml"
+REPLICA_ALIAS = "foresight-replica"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "foresight.json"
 DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources"
 DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards"
@@ -133,10 +139,10 @@ class Prometheus:
         return float(result[0]["value"][1]) if result else None
 
     def wait_for_scrapes(self, n: int = 3, timeout_s: float = 60.0) -> None:
-        """Until the target was scraped successfully at least n times (counters then have a baseline)."""
+        """Until every target was scraped successfully at least n times (counters then have a baseline)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if (self.scalar('sum_over_time(up{job="foresight"}[1m])') or 0) >= n:
+            if (self.scalar('min(sum_over_time(up{job="foresight"}[1m]))') or 0) >= n:
                 return
             time.sleep(0.5)
         raise AssertionError(f"Prometheus did not scrape the target {n} times: "
@@ -144,15 +150,15 @@ class Prometheus:
 
 
 @contextmanager
-def run_prometheus(target: str, workdir: Path):
-    """Start `prometheus` scraping http://<target>/metrics every second; yield a Prometheus client."""
+def run_prometheus(target: str | list[str], workdir: Path):
+    """Start `prometheus` scraping http://<target>/metrics (each of a list) every second; yield a client."""
     exe = binary("prometheus")
     port = free_port()
     config = workdir / "prometheus.yml"
     config.write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [{"job_name": "foresight", "metrics_path": "/metrics",
-                            "static_configs": [{"targets": [target]}]}],
+                            "static_configs": [{"targets": [target] if isinstance(target, str) else target}]}],
     }))
     (workdir / "data").mkdir()
     log_path = workdir / "prometheus.log"
@@ -204,7 +210,7 @@ def assert_every_panel_has_data(prom: Prometheus, timeout_s: float = 30.0) -> No
 # The stack refuses to start without a Grafana admin password; the tests give one.
 COMPOSE_ENV = {"GRAFANA_ADMIN_PASSWORD": "test-password"}
 COMPOSE_VARS = ("GRAFANA_ADMIN_PASSWORD", "FORESIGHT_BIND_ADDRESS", "FORESIGHT_API_KEY", "FORESIGHT_PORT",
-                "PROMETHEUS_PORT", "GRAFANA_PORT")
+                "PROMETHEUS_PORT", "GRAFANA_PORT", "FORESIGHT_REPLICAS")
 
 
 def run_compose_config(*files: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -286,6 +292,102 @@ def test_promtool_accepts_prometheus_config():
     assert targets == ["foresight:8000"]
 
 
+# ------------------------------------------------------------------ replicas: compose, HAProxy, Kubernetes
+
+
+def replica_services(services: dict) -> dict:
+    """The services the balancer and Prometheus find: those carrying the replicas' network alias."""
+    return {name: svc for name, svc in services.items()
+            if REPLICA_ALIAS in ((svc.get("networks") or {}).get("default") or {}).get("aliases", [])}
+
+
+def assert_behind_the_balancer(services: dict) -> None:
+    for name, svc in replica_services(services).items():
+        assert "profiles" not in svc and not svc.get("ports"), f"{name} must be reached through the balancer only"
+        assert "/health" in " ".join(svc["healthcheck"]["test"]) and svc["stop_grace_period"]
+        assert svc["environment"]["FORESIGHT_API_KEY"] == "k"  # each replica checks the key itself
+    balancer = services["balancer"]
+    assert published(balancer) == [("127.0.0.1", "8000")]
+    assert any(str(v).startswith(f"{HAPROXY_CFG}:") for v in balancer["volumes"])
+    mounts = services["prometheus"]["volumes"]
+    assert any(str(v).startswith(f"{PROMETHEUS_REPLICAS_YML}:/etc/prometheus/prometheus.yml") for v in mounts)
+    assert not any(str(v).startswith(f"{PROMETHEUS_YML}:") for v in mounts)
+
+
+def test_compose_replicas_on_gpus_validate():
+    services = compose_config(COMPOSE, COMPOSE_REPLICAS, env={**COMPOSE_ENV, "FORESIGHT_API_KEY": "k"})["services"]
+    assert services["foresight"]["profiles"] == ["single"]  # the single server is parked
+    replicas = replica_services(services)
+    assert len(replicas) == 2
+    gpus = [tuple(svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]) for svc in replicas.values()]
+    assert sorted(gpus) == [("0", "1"), ("2", "3")]  # a pair of GPUs each, none shared
+    for svc in replicas.values():
+        assert svc["ipc"] == "host" and "--target-device cuda:0 --drafter-device cuda:1" in " ".join(svc["command"])
+    assert_behind_the_balancer(services)
+
+
+def test_compose_replicas_on_cpus_validate():
+    env = {**COMPOSE_ENV, "FORESIGHT_API_KEY": "k"}
+    services = compose_config(COMPOSE, COMPOSE_REPLICAS_CPU, env=env)["services"]
+    assert services["foresight"]["profiles"] == ["gpu"]
+    (replica,) = replica_services(services).values()
+    assert int(replica["deploy"]["replicas"]) == 2 and "deploy" not in services["balancer"]
+    assert "--target-device cpu --drafter-device cpu" in " ".join(replica["command"])
+    assert_behind_the_balancer(services)
+    more = compose_config(COMPOSE, COMPOSE_REPLICAS_CPU, env={**env, "FORESIGHT_REPLICAS": "3"})["services"]
+    assert int(more["foresight-replica"]["deploy"]["replicas"]) == 3
+
+
+def test_balancer_and_replica_scrapes_are_valid_configs():
+    proc = subprocess.run([binary("haproxy"), "-c", "-f", str(HAPROXY_CFG)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{REPLICA_ALIAS}:8000" in HAPROXY_CFG.read_text()
+    proc = subprocess.run([binary("promtool"), "check", "config", str(PROMETHEUS_REPLICAS_YML)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobs = {job["job_name"]: job for job in yaml.safe_load(PROMETHEUS_REPLICAS_YML.read_text())["scrape_configs"]}
+    (dns,) = jobs["foresight"]["dns_sd_configs"]
+    assert dns["names"] == [REPLICA_ALIAS] and dns["port"] == 8000
+
+
+def kubernetes_documents() -> dict[str, dict]:
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(KUBERNETES.read_text())}
+
+
+@pytest.mark.parametrize("version", ["1.30", "1.33"])
+def test_kubernetes_manifests_validate(version):
+    """Every manifest against the Kubernetes API's own schemas (kubernetes-validate; strict: unknown fields
+    are errors)."""
+    import kubernetes_validate
+
+    docs = kubernetes_documents()
+    assert set(docs) == {"PersistentVolumeClaim", "Deployment", "Service", "PodDisruptionBudget"}
+    for doc in docs.values():
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_kubernetes_deployment_drains_and_probes_as_the_server_expects():
+    docs = kubernetes_documents()
+    pod = docs["Deployment"]["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    args = container["args"]
+    drain_s = float(args[args.index("--drain-timeout") + 1])
+    pre_stop_s = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= pre_stop_s + drain_s + 10
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["startupProbe"]["httpGet"]["path"] == "/health"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/metrics"  # answers while loading and draining
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert "--target-device" in args and "--drafter-device" in args
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    labels = pod["metadata"]["labels"]
+    assert docs["Service"]["spec"]["selector"].items() <= labels.items()
+    assert docs["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {docs["PersistentVolumeClaim"]["metadata"]["name"]}
+
+
 # ------------------------------------------------------------------ Grafana files
 
 
@@ -343,26 +445,67 @@ def serve_metrics(metrics: ServerMetrics):
         httpd.server_close()
 
 
-def test_panels_have_data_without_speculation(tmp_path):
-    """ar traffic only: no drafts, no cache lookups, no exposed latency — still no empty panel."""
+def plain_traffic(metrics: ServerMetrics, requests: int = 3) -> None:
+    """`requests` requests of 8 tokens each, decoded without speculation."""
+    for _ in range(requests):
+        metrics.set_queue(running=1, waiting=0)
+        metrics.record_prompt_tokens(12)
+        metrics.record_first_token(0.2)
+        for _ in range(8):
+            metrics.record_round(RoundStats(drafted=0, accepted=0, nucleus_extra=0, verify_s=0.05,
+                                            exposed_draft_s=None, cache_hit=None))
+            metrics.record_inter_token(0.05)
+        metrics.record_generation_tokens(8)
+        metrics.record_finished("length", 0.6)
+    metrics.set_queue(running=0, waiting=0)
+
+
+def up_metrics() -> ServerMetrics:
     metrics = ServerMetrics("SmolLM2-135M-Instruct")
     metrics.set_worker_up("target", True)
     metrics.set_worker_up("drafter", True)
+    return metrics
+
+
+def test_panels_have_data_without_speculation(tmp_path):
+    """ar traffic only: no drafts, no cache lookups, no exposed latency — still no empty panel."""
+    metrics = up_metrics()
     with serve_metrics(metrics) as target, run_prometheus(target, tmp_path) as prom:
         prom.wait_for_scrapes()
-        for _ in range(3):
-            metrics.set_queue(running=1, waiting=0)
-            metrics.record_prompt_tokens(12)
-            metrics.record_first_token(0.2)
-            for _ in range(8):
-                metrics.record_round(RoundStats(drafted=0, accepted=0, nucleus_extra=0, verify_s=0.05,
-                                                exposed_draft_s=None, cache_hit=None))
-                metrics.record_inter_token(0.05)
-            metrics.record_generation_tokens(8)
-            metrics.record_finished("length", 0.6)
-        metrics.set_queue(running=0, waiting=0)
+        plain_traffic(metrics)
         assert_every_panel_has_data(prom)
         assert prom.scalar("sum(foresight_generation_tokens_total)") == 24
+
+
+def panel_query(title: str, ref: str = "A") -> str:
+    (expr,) = [e for name, e in dashboard_queries() if name == f"{title} / {ref}"]
+    return expr
+
+
+def test_panels_sum_over_two_replicas_and_break_them_down(tmp_path):
+    """Two replicas scraped as two instances (as the replicas stacks do): the panels sum over both, the
+    Replicas row shows one series per replica, and a replica whose target is down stops counting as serving."""
+    first, second = up_metrics(), up_metrics()
+    with serve_metrics(first) as a, serve_metrics(second) as b, run_prometheus([a, b], tmp_path) as prom:
+        prom.wait_for_scrapes()
+        plain_traffic(first, 3)
+        plain_traffic(second, 1)
+        assert_every_panel_has_data(prom)
+        deadline = time.monotonic() + 30
+        while prom.scalar("sum(foresight_generation_tokens_total)") != 32:
+            assert time.monotonic() < deadline, "Prometheus never saw both replicas' tokens"
+            time.sleep(0.5)
+        by_replica = prom.query(panel_query("Tokens per second by replica"))
+        assert {r["metric"]["instance"] for r in by_replica} == {a, b}
+        assert len(prom.query(panel_query("Running and waiting requests by replica", "B"))) == 2
+        assert prom.scalar(panel_query("Replicas serving")) == 2
+        second.set_worker_up("target", False)
+        while prom.scalar(panel_query("Replicas serving")) != 1:
+            assert time.monotonic() < deadline + 30, "the panel still counts a replica whose target is down"
+            time.sleep(0.5)
+        assert prom.scalar(panel_query("Replicas serving", "B")) == 2
+        (target_up,) = [r for r in prom.query(panel_query("Workers up")) if r["metric"]["worker"] == "target"]
+        assert float(target_up["value"][1]) == 0  # the lowest over the replicas
 
 
 def _traffic(base_url: str) -> int:
