@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..models.draft_model import DraftConfig, DraftModel, SharedWeights
+from ..target_worker.loading import cpu_supports_bf16
 from .dataset import BlockBatch, LabelledData, choose_vocab_subset, sample_blocks
 from .draft_init import initialise
 from .run_files import STATE_FILE, StepBudget, decay_start, open_run, save_state, tail_mean, write_report
@@ -43,7 +44,10 @@ class TrainSettings:
     ckpt_every: int = 200
     seed: int = 0
     device: str = "cpu"
-    bf16: bool = True  # autocast matmuls to bf16 on CUDA (on CPU autocast bf16 measured 18x slower than fp32)
+    # Autocast matmuls to bf16 on CUDA and on CPUs with native bf16 (avx512_bf16 / AMX): a step of 8 sequences x
+    # 16 blocks, forward and backward, 2 threads of an AMD EPYC with avx512_bf16: 0.75 s against 1.6 s in fp32.
+    # A CPU that emulates bf16 trains in fp32 (autocast was measured 18x slower than fp32 on one).
+    bf16: bool = True
     time_budget_s: float = 0.0  # > 0: after BUDGET_PROBE steps, cut `steps` to what fits (the schedule follows)
     init: str = "random"  # random | target (its top attention layers) | a checkpoint folder (warm start); see draft_init
 
@@ -100,7 +104,7 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
     out = Path(out)
     state, s = open_run(out, resume, s)
     device = torch.device(s.device)
-    bf16 = s.bf16 and device.type == "cuda"
+    bf16 = s.bf16 and (device.type == "cuda" or cpu_supports_bf16())
     model = build_model(target, data, s) if state is None else _model_from_state(target, data, state, s)
     model = model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
