@@ -226,6 +226,9 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     min_tokens: int = Field(default=0, ge=0, lt=2**31)  # vLLM's
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP)  # vLLM's
+    # vLLM's: the prompt's and the answer's token ids beside the text (streamed: the prompt's in the first chunk,
+    # each chunk's own new ids)
+    return_token_ids: StrictBool | None = None
     min_p: Any = None
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None

@@ -50,8 +50,16 @@ class Job:
         echo = None
         if not self.chat and self.body.echo:
             echo = self.runner.echo_text(self.body, self.requests[0].prompt_ids)
-        return [Choice(i, request, self.chat, self.structure, self.logprobs_of(request), echo)
+        return [Choice(i, request, self.chat, self.structure, self.logprobs_of(request), echo, self.token_ids)
                 for i, request in enumerate(self.requests)]
+
+    @property
+    def token_ids(self) -> bool:
+        return bool(self.body.return_token_ids)
+
+    def prompt_ids(self) -> dict:
+        """return_token_ids on chat: the prompt's ids at the top of the response (or of the first chunk)."""
+        return {"prompt_token_ids": list(self.requests[0].prompt_ids)} if self.chat and self.token_ids else {}
 
     def logprobs_of(self, request: GenerateRequest) -> ChoiceLogprobs | None:
         sampling = request.sampling
@@ -69,10 +77,12 @@ class Job:
 async def stream(job: Job):
     base = job.base(chunk=True)
     choices = job.choices()
+    first = job.prompt_ids()
     try:
         async for i, piece in job.events():
             for chunk in choices[i].stream(piece):
-                yield sse({**base, "choices": [chunk]})
+                yield sse({**base, **first, "choices": [chunk]})
+                first = {}
     except Exception as exc:  # the status line went out already: the error travels as an event
         _, body = failure_body(exc, job.rid, job.timeout_s)
         yield sse(body)
@@ -94,4 +104,5 @@ async def complete(job: Job, disconnected: Callable[[], Awaitable[bool]]):
     except Exception as exc:
         status, body = failure_body(exc, job.rid, job.timeout_s)
         return AsciiJSONResponse(body, status)
-    return {**job.base(chunk=False), "choices": [c.whole() for c in choices], "usage": job.usage(choices)}
+    return {**job.base(chunk=False), **job.prompt_ids(), "choices": [c.whole() for c in choices],
+            "usage": job.usage(choices)}
