@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import ConfigError, add_engine_args, add_server_args, engine_from_args, server_from_args
-from ..protocol.kinds import Mode
-from ..training.cli import COMMANDS as TRAIN_COMMANDS, add_train_args, run as run_training
+from .config import ConfigError, add_engine_args, add_server_args, engine_from_args, server_from_args
+from .protocol.kinds import Mode
+from .training.cli import COMMANDS as TRAIN_COMMANDS, add_train_args, run as run_training
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run every mode on the same prompts and write a JSON report")
     add_engine_args(bench)
-    from ..bench.harness import add_bench_args
+    from .bench.harness import add_bench_args
 
     add_bench_args(bench)
 
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     quality = sub.add_parser("eval-quality", conflict_handler="resolve",
                              help="HumanEval pass@1, speed and target NLL per verification rule, in one run")
     add_engine_args(quality)
-    from ..bench.quality import add_quality_args
+    from .bench.quality import add_quality_args
 
     add_quality_args(quality)
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "prepare-model":
-            from ..target_worker.loading import prepare_default_model
+            from .models.loading import prepare_default_model
 
             print(prepare_default_model())
             return 0
@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> int:
             return serve(args, engine)
         if args.command == "eval-quality":
             check_mode(engine)
-            from ..bench.quality import run_quality
+            from .bench.quality import run_quality
 
             return run_quality(args, engine)
-        from ..bench.harness import run_bench
+        from .bench.harness import run_bench
 
         return run_bench(args, engine)
     except ConfigError as exc:
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 def check_mode(engine) -> None:
     """`--mode pipelined` needs a foresight drafter, `--mode hybrid` a draft model: say so before any model is
     loaded (the workers would only find out at start-up, inside the server's lifespan, as a traceback)."""
-    from ..drafter_worker.jetspec_proposer import resolve_drafter_path
-    from ..drafter_worker.worker import why_no_foresight
+    from .drafter_worker.jetspec_proposer import resolve_drafter_path
+    from .drafter_worker.worker import why_no_foresight
 
     if engine.mode == Mode.HYBRID and resolve_drafter_path(engine) is None:
         raise ConfigError(f"--mode hybrid needs a trained drafter (--drafter {engine.drafter} means prompt lookup "
@@ -92,8 +92,8 @@ def serve(args: argparse.Namespace, engine) -> int:
 
     import uvicorn
 
-    from .app import create_app
-    from .shutdown import DrainingServer
+    from .server.app import create_app
+    from .server.shutdown import DrainingServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app = create_app(cfg)

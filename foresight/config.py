@@ -15,7 +15,7 @@ from .protocol.kinds import Mode, Refinement
 VERIFICATIONS = ("exact", "nucleus")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 VERIFY_LENGTHS = ("auto", "prefix", "max")
-CPU_LINEARS = ("auto", "prepacked", "plain")  # target_worker/cpu_linear.py
+CPU_LINEARS = ("auto", "prepacked", "plain")  # models/cpu_linear.py
 QUANTIZATIONS = ("auto", "none", "int4")  # models/quantization.py
 COMPILES = ("auto", "on", "off")  # models/compiled_step.py
 LOGPROBS_MODES = ("raw", "processed")  # target_worker/logprobs.py
@@ -50,9 +50,9 @@ class EngineConfig:
     verify_length: str = "auto"
     dtype: str = "auto"
     # The drafter's own dtype (draft model, adapter, decoder): "auto" = the target's on a GPU; on a CPU bf16
-    # where the CPU has native bf16 matmuls, else fp32 (target_worker/loading.py, resolve_drafter_dtype)
+    # where the CPU has native bf16 matmuls, else fp32 (models/loading.py, resolve_drafter_dtype)
     drafter_dtype: str = "auto"
-    # Linear layers on a CPU: "prepacked" = weights packed once for oneDNN (target_worker/cpu_linear.py),
+    # Linear layers on a CPU: "prepacked" = weights packed once for oneDNN (models/cpu_linear.py),
     # "plain" = nn.Linear, "auto" = prepacked for fp32 models (bf16 is not measured on a native-bf16 CPU yet)
     cpu_linear: str = "auto"
     # The target's linear weights: "int4" = 4-bit groups of 32 on torch's int4 kernel (a GGUF target's own

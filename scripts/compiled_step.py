@@ -16,8 +16,8 @@ import torch
 
 from foresight.models.compiled_step import compiled_step_for
 from foresight.models.quantization import apply_quantization
-from foresight.target_worker.cpu_linear import use_cpu_linears
-from foresight.target_worker.loading import cache_root, load_target, resolve_dtype, resolve_target
+from foresight.models.cpu_linear import use_cpu_linears
+from foresight.models.loading import cache_root, load_target, resolve_dtype, resolve_target
 from foresight.target_worker.packed_step import packed_attention
 from foresight.target_worker.runner import TargetRunner
 

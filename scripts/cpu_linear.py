@@ -1,4 +1,4 @@
-"""Plain `nn.Linear` against weights prepacked for oneDNN (target_worker/cpu_linear.py), side by side.
+"""Plain `nn.Linear` against weights prepacked for oneDNN (models/cpu_linear.py), side by side.
 
     .venv/bin/python scripts/cpu_linear.py [float32|bfloat16] [threads]
 
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from foresight.target_worker.cpu_linear import prepack_linears
-from foresight.target_worker.loading import load_target, resolve_target
+from foresight.models.cpu_linear import prepack_linears
+from foresight.models.loading import load_target, resolve_target
 from foresight.target_worker.runner import TargetRunner
 
 ROUNDS = 14

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "foresight.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "foresight.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *shlex.split(args.serve_args)]
     log_path = args.out.with_suffix(".server.log")
     with open(log_path, "wb") as log:

@@ -95,7 +95,7 @@ for v in "${!INIT[@]}"; do [[ " ${FS_VARIANTS:-warm3 target3 warm4} " == *" $v "
 ADAPT=$([ "${FS_ADAPTER:-1}" = 0 ] || echo 1)
 REPLAYS=$([ "${FS_ADAPTER:-1}" = 0 ] || [ "${FS_EVAL:-1}" = 0 ] || echo 1)
 # The replays of outcome selection run on the CPU (eval-foresight has no device option), one thread each, on
-# the offsets of docs/benchmark.md's replays; the shipped draft model drafts for every adapter.
+# the offsets of the replays in docs/journal/2026-12-03-deeper-adapter.md and 2026-12-04-kl-adapter.md; the shipped draft model drafts for every adapter.
 replay() {  # NAME ADAPTER_DIR DECODER_LAYERS SECONDS: both prompt sets, in the background
   local set
   for set in chat humaneval; do

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 
-from foresight.target_worker.loading import load_tokenizer, resolve_target
+from foresight.models.loading import load_tokenizer, resolve_target
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}},

@@ -15,8 +15,8 @@ import torch
 
 from foresight.models.int4_linear import Int4Linear
 from foresight.models.quantization import apply_quantization
-from foresight.target_worker.cpu_linear import use_cpu_linears
-from foresight.target_worker.loading import load_target, resolve_target
+from foresight.models.cpu_linear import use_cpu_linears
+from foresight.models.loading import load_target, resolve_target
 from foresight.target_worker.runner import TargetRunner
 
 ROUNDS = 12

@@ -17,7 +17,7 @@ import time
 import torch
 
 from foresight.bench.prompts import humaneval_prompts
-from foresight.target_worker.loading import load_target, load_tokenizer, resolve_target
+from foresight.models.loading import load_target, load_tokenizer, resolve_target
 from foresight.target_worker.logit_head import Fp32LogitHead
 from foresight.target_worker.runner import TargetRunner
 

@@ -16,8 +16,8 @@ import torch
 from batch_step import contexts  # scripts/, beside this one
 
 from foresight.target_worker import packed_step
-from foresight.target_worker.cpu_linear import use_cpu_linears
-from foresight.target_worker.loading import load_target, resolve_target
+from foresight.models.cpu_linear import use_cpu_linears
+from foresight.models.loading import load_target, resolve_target
 from foresight.target_worker.runner import TargetRunner
 
 SHAPES = [(1, 1), (1, 8), (8, 1), (8, 4), (16, 1)]  # (requests, positions per request)

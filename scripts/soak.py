@@ -347,7 +347,7 @@ def free_port() -> int:
 
 def start_server(log_path: Path, serve_args: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "foresight.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "foresight.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *serve_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from foresight.target_worker.loading import load_target, resolve_target
+from foresight.models.loading import load_target, resolve_target
 from foresight.target_worker.runner import TargetRunner
 
 

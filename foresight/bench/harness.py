@@ -26,9 +26,9 @@ from ..protocol.messages import GenerateRequest
 from ..server.engine_client import EngineClient
 from ..server.openai_schemas import ChatCompletionRequest, CompletionRequest
 from ..server.serving import RequestRunner
-from ..target_worker.cpu_linear import use_cpu_linears
+from ..models.cpu_linear import use_cpu_linears
 from ..models.quantization import apply_quantization, resolve_quantization
-from ..target_worker.loading import gguf_source, load_target, load_tokenizer, resolve_dtype, resolve_target
+from ..models.loading import gguf_source, load_target, load_tokenizer, resolve_dtype, resolve_target
 from ..target_worker.logit_rules import LogitRules
 from ..target_worker.runner import TargetRunner
 from ..target_worker.steps import eos_ids

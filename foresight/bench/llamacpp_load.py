@@ -107,7 +107,7 @@ class LoadPeers:
         _xllamacpp()  # a missing wheel fails before the BF16 rewrite and the tokenizer
         source = source_gguf(cfg)
         self.models = {False: source, True: bf16_gguf(source) if any(p.bf16 for p in peers) else None}
-        from ..target_worker.loading import load_tokenizer, resolve_target
+        from ..models.loading import load_tokenizer, resolve_target
 
         tokenizer = load_tokenizer(resolve_target(cfg.target))
         self.ids = [item_prompt_ids(tokenizer, item) for item in items]

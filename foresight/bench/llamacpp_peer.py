@@ -33,11 +33,11 @@ from pathlib import Path
 
 from ..config import ConfigError, EngineConfig
 from ..protocol.messages import GenerateRequest
-from ..target_worker.loading import cache_root, converted_name, gguf_source, resolve_target
+from ..models.loading import cache_root, converted_name, gguf_source, resolve_target
 from .peers import Peer, PeerGroup, PeerTally, peer_section
 
 XLLAMACPP_INSTALL = "pip install xllamacpp==2026.10.11549"
-# llama.cpp's samplers in the order Foresight and transformers apply them (target_worker/sampling.py);
+# llama.cpp's samplers in the order Foresight and transformers apply them (spec/sampling.py);
 # the default chain also has penalties, min_p (0.05), xtc, ... which Foresight does not.
 SAMPLERS = ["temperature", "top_k", "top_p"]
 

@@ -1,7 +1,7 @@
 """`foresight bench --concurrency 1,4,8,16`: streaming clients against a real `foresight serve`.
 
 For each mode in --modes a server subprocess is started with the bench's engine flags and `--mode <mode>`
-(the OpenAI API has no per-request mode: a mode is a server setting); all of them run for the whole bench.
+(the OpenAI API has no per-request mode: a mode is a server setting), fresh for each repeat (below).
 After each answers /health with 200 and one warm-up request, every concurrency level L is run against the
 modes in turn: L clients take requests from one shared list (the prompts, cycled) until the level's requests
 are spent; every request streams with usage. With --load-repeats R each level runs R times per mode, the
@@ -40,7 +40,7 @@ from ..config import API_KEY_ENV, ConfigError, EngineConfig, add_engine_args
 from ..protocol.kinds import Mode
 from .prompts import load_prompts, request_fields
 
-SERVER_MODULE = "foresight.server.cli"
+SERVER_MODULE = "foresight.cli"
 HEALTH_TIMEOUT_S = 600.0  # model loading on a slow machine
 STOP_GRACE_S = 40.0  # SIGTERM drains (--drain-timeout, 30 s by default), then the process group is killed
 REQUEST_TIMEOUT_S = 600.0  # longest wait for one read (the next chunk) of a request
@@ -415,7 +415,8 @@ async def mode_servers(cfg: EngineConfig, modes: list[str], out: Path, extra: li
     """One fresh server per mode (each its own --mode), all up for one repeat, each sent one warm-up request
     (prompt item `warm_up`); yields their base URLs; always stops them.
     Fresh per repeat: a server keeps its speed for its lifetime, and instances of one build differed by up to
-    7 % (docs/benchmark.md), which servers kept for the whole bench would have made a fixed bias of a mode."""
+    7 % (docs/journal/2026-12-04-fresh-servers.md), which servers kept for the whole bench would have made a fixed
+    bias of a mode."""
     async with contextlib.AsyncExitStack() as stack:
         bases = {}
         for mode in modes:

@@ -17,7 +17,7 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..models.compiled_step import intra_op_threads
 from ..protocol.messages import GenerateRequest
-from ..target_worker.loading import load_target, resolve_dtype, resolve_target
+from ..models.loading import load_target, resolve_dtype, resolve_target
 from ..target_worker.steps import eos_ids
 
 PEER_KINDS = ("hf", "llamacpp")

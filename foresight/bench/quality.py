@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, EngineConfig
-from ..target_worker.loading import load_target, load_tokenizer, resolve_target
+from ..models.loading import load_target, load_tokenizer, resolve_target
 from . import humaneval_check
 from .harness import ModeTally, Run, build_requests, engine_session, machine_info, run_interleaved
 from .prompts import humaneval_chat, humaneval_problems

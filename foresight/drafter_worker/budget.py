@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .costs import CostBySize, RunningCost
+from ..control.costs import CostBySize, RunningCost
 
 __all__ = ["Plan", "StepCosts", "plan_round"]
 

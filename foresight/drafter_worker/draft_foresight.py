@@ -42,7 +42,7 @@ class DraftOnlyForesight(ForesightDrafter):
 
     refines = False
     # At temperature 0 the draft model's greedy path over its own block accepts every draft: a point mass on
-    # an outcome its overconfidence makes up. Its temperature-1 scores rank better (docs/benchmark.md).
+    # an outcome its overconfidence makes up. Its temperature-1 scores rank better (docs/journal/2026-12-03-decoder-depth-0.md).
     greedy_first = False
 
     def __init__(self, model: DraftModel, passes: int | None = None, cache_size: int = 4,

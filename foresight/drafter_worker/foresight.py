@@ -16,7 +16,7 @@ While the target verifies block [y0, d_1..d_gamma] (anchor y0 at position n = le
                  states it passes through that the draft model also reads (indices above its input,
                  the final-normed index L). How deep it starts is `decoder_layers`: on a small target
                  with a CPU-trained adapter the top-15 decoder over the index-15 prediction scores
-                 outcomes far better than the top 3 over the index-27 one (docs/benchmark.md). At
+                 outcomes far better than the top 3 over the index-27 one (docs/journal/2026-11-29-first-measurements.md). At
                  depth 0 the draft model scores the outcomes itself (draft_foresight.py).
     3. outcomes  Eq. 6 scores, the B best (Eq. 7); B, J and R from the round's plan (`budget.py`, Eq. 3):
                  what fits the verify time by the measured costs, within the caps
@@ -52,9 +52,9 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..protocol.kinds import Refinement
 from ..protocol.messages import HiddenLayout, LinearStates, SamplingParams
-from ..target_worker.cpu_linear import use_cpu_linears
-from ..target_worker.sampling import target_probs
-from ..target_worker.verification import in_nucleus
+from ..models.cpu_linear import use_cpu_linears
+from ..spec.sampling import target_probs
+from ..spec.verification import in_nucleus
 from .budget import Plan, StepCosts, plan_round
 from .calibration import FILE_NAME as CALIBRATION_FILE, Calibration, calibrated_scores
 from .foresight_batch import BatchedForesight, ForesightStats

@@ -16,7 +16,7 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..models.draft_model import ContextKV, DraftModel, SharedWeights, draw_noise, is_checkpoint
 from ..protocol.messages import HiddenLayout
-from ..target_worker.cpu_linear import use_cpu_linears
+from ..models.cpu_linear import use_cpu_linears
 from .proposer import Draft, DraftContext
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"  # the embedded default target's drafter
@@ -47,7 +47,7 @@ def resolve_drafter_path(cfg: EngineConfig) -> Path | None:
 
 def load_drafter_target(cfg: EngineConfig):
     """The target model on the drafter's device (its embedding, LM head and, for foresight, top layers)."""
-    from ..target_worker.loading import load_target, resolve_drafter_dtype, resolve_target
+    from ..models.loading import load_target, resolve_drafter_dtype, resolve_target
 
     dtype = resolve_drafter_dtype(cfg.drafter_dtype, cfg.dtype, cfg.drafter_device)
     return load_target(resolve_target(cfg.target), dtype, cfg.drafter_device), dtype

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from ..config import EngineConfig
 from ..protocol.kinds import Strategy
-from .ngram import NgramProposer, lookup_match
+from .ngram import NgramProposer
+from ..spec.ngram import lookup_match
 from .proposer import Draft, DraftContext, Proposer
 
 

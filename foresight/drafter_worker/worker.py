@@ -39,8 +39,8 @@ from .ngram import NgramProposer
 from .proposer import Draft, DraftContext, Proposer
 from .speculation_cache import SpeculationCache
 from .strategies import auto_strategies, offered_strategies
-from .costs import CostBySize, RunningCost
-from .verify_length import VerifyLengthController
+from ..control.costs import CostBySize, RunningCost
+from ..control.verify_length import VerifyLengthController
 
 log = logging.getLogger("foresight.drafter")
 

@@ -91,7 +91,7 @@ class AdapterConfig:
     # Target layers the foresight decoder should reuse with this adapter (None: all layers above its deepest
     # index). A deeper decoder reads a shallower, better-predicted index: measured on SmolLM2, the top 15
     # layers over the index-15 prediction agree with the target's next token 2x as often as the top 3
-    # layers over the index-27 one (docs/benchmark.md).
+    # layers over the index-27 one (docs/journal/2026-11-29-first-measurements.md, "Decoder depth").
     decoder_layers: int | None = None
 
     @classmethod
@@ -213,7 +213,7 @@ class Adapter(nn.Module):
         """A copy with `extra` more layers in the top stage, below its trained ones: copies of the target layers
         just below those, each started as the identity (`start_as_identity`), so the copy predicts exactly
         what this adapter does until training moves them. The top index is the one a short foresight decoder
-        reads; one trained layer bridging the index below to it is too shallow (docs/benchmark.md)."""
+        reads; one trained layer bridging the index below to it is too shallow (docs/journal/2026-12-03-deeper-adapter.md)."""
         top = self.config.stage_layers[-1]
         if extra < 1 or top[0] - extra < 0:
             raise ValueError(f"cannot add {extra} layers below target layer {top[0]} (the top stage's first)")

@@ -50,7 +50,7 @@ log = logging.getLogger("foresight.compiled_step")
 
 # Modules whose code runs inside the traced forward (besides transformers'): a change recompiles.
 TRACED_MODULES = (__name__, "foresight.target_worker.packed_step", "foresight.target_worker.small_attention",
-                  "foresight.target_worker.cpu_linear", "foresight.models.int4_linear")
+                  "foresight.models.cpu_linear", "foresight.models.int4_linear")
 STALE_DAYS = 14  # a package no start has loaded for this long is deleted (prune_stale)
 MAX_COLUMNS = 1 << 20  # the symbolic key columns / buffer capacity may be anything up to this
 EXAMPLE_PAST = 8  # positions in the KV buffers of the example inputs the trace runs on
@@ -361,7 +361,7 @@ def compile_refusal(model: nn.Module, device: str) -> str | None:
 
 def wants_compile(choice: str, model: nn.Module, device: str) -> bool:
     """What `choice` ("auto", "on", "off") means for `model` on `device`. "auto": on for an int4 target on a CPU
-    (docs/benchmark.md, "Compiled steps"); "on" where it cannot be built raises ConfigError."""
+    (docs/journal/2026-12-05-compiled-steps.md); "on" where it cannot be built raises ConfigError."""
     from ..config import ConfigError
 
     if choice == "off":

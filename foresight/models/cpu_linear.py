@@ -4,8 +4,8 @@ On a CPU, `nn.Linear` calls the BLAS on the plain [out, in] weight, which it re-
 2 rows on it measured as slow as 2 one-row products on this project's AVX2 machines. oneDNN can pack a
 weight once into its own blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what PyTorch's inductor
 does for CPU linears) and multiply from it (`torch.ops.mkldnn._linear_pointwise`). Measured on SmolLM2-135M in
-fp32 on 2 threads of an AMD EPYC without AVX-512 (`scripts/cpu_linear.py`; docs/benchmark.md, "Prepacked
-linears"): 1.2x on a 1-token step, 1.3-1.7x on an 8-position verify or an 8-request step. Results differ from
+fp32 on 2 threads of an AMD EPYC without AVX-512 (`scripts/cpu_linear.py`; docs/journal/2026-12-03-prepacked-linears.md):
+1.2x on a 1-token step, 1.3-1.7x on an 8-position verify or an 8-request step. Results differ from
 `nn.Linear` by float rounding only (another summation order, ~1e-5 relative). In bf16 on a 2-core AMD EPYC
 with avx512_bf16, 1 thread: 1.40x on a 1-token step, 1.51x on an 8-position verify, 1.34x on an 8-request step,
 1.22x on a 60-token prefill, with logits identical to `nn.Linear`'s.

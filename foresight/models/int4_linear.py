@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..target_worker.cpu_linear import PACK_FOR_ROWS, prepacking_available
+from .cpu_linear import PACK_FOR_ROWS, prepacking_available
 from .gguf_weights import BLOCK, Q4Weight
 
 INT4_MAX_ROWS = 8  # rows up to which the int4 kernel is faster than the dense copy (measured above)

@@ -30,7 +30,7 @@ log = logging.getLogger("foresight.quantization")
 def apply_quantization(model: nn.Module, choice: str, path: Path, device: str, owner: str) -> str:
     """Serve the linears of `model` (loaded from the folder `path` onto `device`) as `choice` (auto | none |
     int4) says; what it resolved to."""
-    from ..target_worker.loading import gguf_source
+    from .loading import gguf_source
 
     gguf = gguf_source(path)
     dtype = next(model.parameters()).dtype

@@ -12,7 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import DEFAULT_MODEL_NAME, ServerConfig
-from ..target_worker.loading import load_tokenizer, resolve_target
+from ..models.loading import load_tokenizer, resolve_target
 from .engine_client import EngineClient, EngineUnavailable, KVBudgetExceeded, QueueFull
 from .errors import AsciiJSONResponse, error, internal_message
 from .metrics import ServerMetrics

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from foresight.target_worker.sampling import BlockDraws, check_sampling, sample, target_probs
+from foresight.spec.sampling import BlockDraws, check_sampling, sample, target_probs
 
 __all__ = ["RULES", "Verdict", "nucleus_mask", "in_nucleus", "excess_mass", "verify", "verify_batch"]
 

@@ -25,7 +25,7 @@ Drafting pays less the larger the batch (its blocks' extra positions cost more, 
 request catch up first), so the top levels (6+ requests) do not try drafting before a lower level has
 measured it: they start on plain steps and try drafting only after EXPLORE_WINDOWS windows (measured at 8
 clients, chat, bf16, 48 requests a run from a fresh server: `pipelined` 0.90x `ar` with those early trials
-of drafting, 0.97x without them; docs/benchmark.md).
+of drafting, 0.97x without them; docs/journal/2026-12-04-folded-attention.md).
 A load level seen for the first time starts with the policy that won at the nearest level already measured
 (if no level measured every policy yet, the best of those measured at the nearest level that measured any:
 as a busy period ends, its tail runs what the busy level ran instead of trying drafting first -- measured at

@@ -9,8 +9,8 @@ when drafts stop paying it sends none, so a round is then a plain step plus a lo
 from __future__ import annotations
 
 from ..config import EngineConfig
-from ..drafter_worker.ngram import lookup
-from ..drafter_worker.verify_length import VerifyLengthController
+from ..spec.ngram import lookup
+from ..control.verify_length import VerifyLengthController
 
 
 class LocalLookup:

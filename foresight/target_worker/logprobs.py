@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..protocol.messages import SamplingParams, TokenLogprobs
-from .sampling import process_logits
+from ..spec.sampling import process_logits
 
 
 

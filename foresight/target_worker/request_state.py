@@ -10,7 +10,7 @@ from ..protocol.kinds import Mode, Strategy
 from ..protocol.messages import GenerateRequest, TokenLogprobs
 from .grammar import GrammarState
 from .logit_rules import LogitRules
-from .sampling import PositionDraws
+from ..spec.sampling import PositionDraws
 from .strategy_choice import LOCAL_STRATEGIES, RequestChoice
 
 

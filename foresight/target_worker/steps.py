@@ -9,8 +9,8 @@ import torch
 
 from .logit_rules import LogitRules
 from .request_state import RequestState
-from .sampling import PositionDraws
-from .verification import Verdict, verify
+from ..spec.sampling import PositionDraws
+from ..spec.verification import Verdict, verify
 
 
 @dataclass(slots=True)

@@ -55,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..drafter_worker.ngram import lookup
+from ..spec.ngram import lookup
 from ..protocol.kinds import Strategy
 
 # Strategies the target runs without the drafter. Mode auto leaves "ar" out: "ngram" with its verify-length

@@ -51,10 +51,10 @@ from ..protocol.sockets import MessageSocket
 from ..protocol.transport import default_transport
 from ..models.compiled_step import compiled_step_for
 from ..models.quantization import apply_quantization
-from .cpu_linear import use_cpu_linears
-from .loading import cache_root, load_target, load_tokenizer, resolve_dtype, resolve_target
+from ..models.cpu_linear import use_cpu_linears
+from ..models.loading import cache_root, load_target, load_tokenizer, resolve_dtype, resolve_target
 from .packed_step import packed_attention
-from .sampling import PositionDraws
+from ..spec.sampling import PositionDraws
 from .load_policy import LoadPolicy
 from .local_lookup import LocalLookup
 from .request_state import RequestState

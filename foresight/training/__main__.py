@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     add_train_args(sub)
     args = parser.parse_args(argv)
     if args.command == "prepare-model":
-        from ..target_worker.loading import prepare_default_model
+        from ..models.loading import prepare_default_model
 
         print(prepare_default_model())
         return 0

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..drafter_worker.calibration import FEATURES, Calibration, anchor_log_probs, position_features
-from ..target_worker.sampling import target_probs
+from ..spec.sampling import target_probs
 
 L2 = 1e-3  # ridge on w (the bias included), per position trial: keeps a short calibration well-posed
 BETA_RANGE = (math.log(0.1), math.log(10.0))  # log beta searched over

@@ -240,7 +240,7 @@ def label_cmd(args: argparse.Namespace) -> int:
 def train_adapter_cmd(args: argparse.Namespace) -> int:
     import torch
 
-    from ..target_worker.loading import load_target, resolve_target
+    from ..models.loading import load_target, resolve_target
     from .dataset import LabelledData
     from .train_adapter import AdapterTrainSettings, train_adapter
 
@@ -291,7 +291,7 @@ def train_drafter(args: argparse.Namespace) -> int:
     import torch
 
     from ..models.draft_model import default_target_layers
-    from ..target_worker.loading import cache_root, load_target, load_tokenizer, resolve_target
+    from ..models.loading import cache_root, load_target, load_tokenizer, resolve_target
     from .draft_init import validate_init
     from .dataset import LabelledData
     from .labelling import DataDir, LabelSettings, Labeller

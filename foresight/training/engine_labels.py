@@ -160,7 +160,7 @@ async def label_with_server(args, cfg) -> dict:
 
     from ..bench.harness import machine_info
     from ..bench.load import running_server
-    from ..target_worker.loading import cache_root, resolve_target
+    from ..models.loading import cache_root, resolve_target
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(cfg.target))
     store = LabelStore(Path(args.out), cache_root() / "labels" / f"{Path(args.out).name}-pending.jsonl")

@@ -18,7 +18,7 @@ import torch
 from ..drafter_worker.ngram import NgramProposer
 from ..drafter_worker.proposer import Draft, DraftContext
 from ..target_worker.runner import TargetRunner
-from ..target_worker.verification import verify
+from ..spec.verification import verify
 from ..target_worker.steps import drafter_seed, eos_ids
 
 
@@ -106,7 +106,7 @@ def load_proposer(spec: str, target, device: str, dtype: torch.dtype):
 
 def run_eval(args: argparse.Namespace) -> dict:
     from ..bench.prompts import load_prompts
-    from ..target_worker.loading import (load_target, load_tokenizer, resolve_drafter_dtype, resolve_dtype,
+    from ..models.loading import (load_target, load_tokenizer, resolve_drafter_dtype, resolve_dtype,
                                          resolve_target)
     from .labelling import chat_ids
 

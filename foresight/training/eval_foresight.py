@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..target_worker.loading import resolve_target
+from ..models.loading import resolve_target
 from ..target_worker.runner import TargetRunner
 from ..target_worker.steps import eos_ids
 from .eval_drafter import _ints, speculate
@@ -93,7 +93,7 @@ def record_depth(adapter_path: Path, recommended: dict, settings: dict) -> None:
 def load_eval_target(args: argparse.Namespace):
     """The fp32 target, the prompts (`--prompts`, `--offset`, `--limit`) as token ids, and its EOS ids."""
     from ..bench.prompts import load_prompts
-    from ..target_worker.loading import load_target, load_tokenizer, resolve_target
+    from ..models.loading import load_target, load_tokenizer, resolve_target
     from .labelling import chat_ids
 
     path = resolve_target(args.target)

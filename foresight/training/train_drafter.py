@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..models.draft_model import DraftConfig, DraftModel, SharedWeights
-from ..target_worker.loading import cpu_supports_bf16
+from ..models.loading import cpu_supports_bf16
 from .dataset import BlockBatch, LabelledData, choose_vocab_subset, sample_blocks
 from .draft_init import initialise
 from .run_files import STATE_FILE, StepBudget, decay_start, open_run, save_state, tail_mean, write_report

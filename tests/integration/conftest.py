@@ -31,7 +31,7 @@ import pytest
 from support.suite_dtype import suite_dtype
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SERVER_MODULE = "foresight.server.cli"
+SERVER_MODULE = "foresight.cli"
 
 
 def free_port() -> int:

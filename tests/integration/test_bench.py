@@ -26,7 +26,7 @@ def test_bench_report(tmp_path):
         {"messages": [{"role": "user", "content": "Repeat after me: one two three one two three"}]},
     ]))
     out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "foresight.server.cli", "bench", "--prompts", str(prompts), "--modes", "ar,sync,pipelined,auto",
+    cmd = [sys.executable, "-m", "foresight.cli", "bench", "--prompts", str(prompts), "--modes", "ar,sync,pipelined,auto",
            "--max-tokens", "24", "--temperature", "0", "--nucleus-thresholds", "0.9", "--refinement-ablation", "none", "--peers", "hf",
            "--dtype", suite_dtype(), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

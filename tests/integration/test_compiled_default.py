@@ -8,8 +8,8 @@ import torch
 
 from foresight.models.compiled_step import CompiledStep
 from foresight.models.quantization import apply_quantization
-from foresight.target_worker.cpu_linear import use_cpu_linears
-from foresight.target_worker.loading import cache_root, cpu_supports_bf16, load_target, load_tokenizer, resolve_target
+from foresight.models.cpu_linear import use_cpu_linears
+from foresight.models.loading import cache_root, cpu_supports_bf16, load_target, load_tokenizer, resolve_target
 from foresight.target_worker.packed_step import packed_attention
 from foresight.target_worker.runner import TargetRunner
 from test_int4_default import TEXT, relative_errors

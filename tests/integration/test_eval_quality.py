@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from foresight.server.cli import main
+from foresight.cli import main
 
 pytestmark = pytest.mark.integration
 

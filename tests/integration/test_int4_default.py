@@ -11,8 +11,8 @@ import torch
 
 from foresight.models.int4_linear import INT4_MAX_ROWS, Int4Linear
 from foresight.models.quantization import apply_quantization
-from foresight.target_worker.cpu_linear import use_cpu_linears
-from foresight.target_worker.loading import cpu_supports_bf16, gguf_source, load_target, load_tokenizer, resolve_target
+from foresight.models.cpu_linear import use_cpu_linears
+from foresight.models.loading import cpu_supports_bf16, gguf_source, load_target, load_tokenizer, resolve_target
 
 pytestmark = pytest.mark.skipif(not cpu_supports_bf16(), reason="int4 serves bf16 activations (slow path in fp32)")
 

@@ -24,7 +24,7 @@ def test_load_bench_report(tmp_path):
         {"messages": [{"role": "user", "content": "Count from one to ten in words."}]},
     ]))
     out = tmp_path / "load.json"
-    cmd = [sys.executable, "-m", "foresight.server.cli", "bench", "--prompts", str(prompts), "--modes", "ar",
+    cmd = [sys.executable, "-m", "foresight.cli", "bench", "--prompts", str(prompts), "--modes", "ar",
            "--concurrency", "1,2", "--load-repeats", "2", "--max-tokens", "8", "--temperature", "0", "--dtype", suite_dtype(),
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -174,7 +174,7 @@ def test_logit_rules_shape_the_output(client):
     """logit_bias forces a token; a repetition penalty changes a repetitive answer (both at T=0)."""
     from transformers import AutoTokenizer
 
-    from foresight.target_worker.loading import resolve_target
+    from foresight.models.loading import resolve_target
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(None))
     base = dict(model=MODEL, max_tokens=8, temperature=0,
@@ -240,7 +240,7 @@ def test_control_token_text_in_a_message_is_tokenized_as_text(client):
     pieces (the README: no message can forge a turn)."""
     from transformers import AutoTokenizer
 
-    from foresight.target_worker.loading import resolve_target
+    from foresight.models.loading import resolve_target
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(None))
     as_text = tokenizer.encode("<|im_end|>", add_special_tokens=False, split_special_tokens=True)
@@ -259,7 +259,7 @@ def test_chat_prompts_without_control_text_tokenize_as_the_template_gives_them()
 
     from foresight.bench.prompts import chat_prompts
     from foresight.server.chat_prompt import piecewise_ids
-    from foresight.target_worker.loading import resolve_target
+    from foresight.models.loading import resolve_target
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(None))
     for item in chat_prompts()[:40]:

@@ -2,7 +2,7 @@
 
 fp32 on CPU. Speculative greedy output (sync with the trained draft model, pipelined with foresight, hybrid,
 the target's own prompt lookup, and mode auto switching among them) equals plain greedy decoding token for token, and the drafter's acceptance length on held-out HumanEval
-and chat-set prompts (never in its training data) stays above floors set from measurements (docs/benchmark.md).
+and chat-set prompts (never in its training data) stays above floors set from measurements (docs/journal/2026-11-29-first-measurements.md, docs/journal/2026-11-30-chat-drafter.md).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from foresight.bench.prompts import chat_prompts, humaneval_prompts
 from foresight.config import EngineConfig
 from foresight.drafter_worker.jetspec_proposer import resolve_drafter_path
 from foresight.drafter_worker.worker import make_proposer
-from foresight.target_worker.loading import load_target, load_tokenizer, prepare_default_model
+from foresight.models.loading import load_target, load_tokenizer, prepare_default_model
 from support.inprocess import InProcessEngine
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from foresight.config import EngineConfig
-from foresight.target_worker.loading import load_target, load_tokenizer, prepare_default_model
+from foresight.models.loading import load_target, load_tokenizer, prepare_default_model
 from support.inprocess import InProcessEngine
 
 pytestmark = pytest.mark.integration

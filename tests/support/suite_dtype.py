@@ -24,6 +24,6 @@ def suite_dtype() -> str:
 
 def resolved_suite_dtype() -> torch.dtype:
     """The torch dtype `--dtype <suite dtype>` resolves to on this machine's CPU."""
-    from foresight.target_worker.loading import resolve_dtype
+    from foresight.models.loading import resolve_dtype
 
     return resolve_dtype(suite_dtype(), "cpu")

@@ -261,7 +261,7 @@ def test_time_budget_cuts_the_steps(data_dir, target, tmp_path, monkeypatch):
 
 
 def test_cli_passes_the_time_budget(data_dir, target, tmp_path, monkeypatch):
-    import foresight.target_worker.loading as loading
+    import foresight.models.loading as loading
     import foresight.training.train_adapter as ta
     from foresight.training.__main__ import main
 

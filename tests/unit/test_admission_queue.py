@@ -365,7 +365,7 @@ def test_http_client_that_disconnects_while_queued_gives_its_place_back(stream):
 
 
 def serve_config(*argv) -> ServerConfig:
-    from foresight.server.cli import build_parser
+    from foresight.cli import build_parser
 
     args = build_parser().parse_args(["serve", *argv])
     return server_from_args(args, engine_from_args(args))

@@ -462,7 +462,7 @@ def test_api_key_guards_v1_only():
 
 
 def test_api_key_from_flag_or_environment(monkeypatch):
-    from foresight.server.cli import build_parser
+    from foresight.cli import build_parser
     from foresight.config import engine_from_args, server_from_args
 
     def cfg(*argv):

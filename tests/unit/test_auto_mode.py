@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from foresight.target_worker.sampling import PositionDraws
+from foresight.spec.sampling import PositionDraws
 from foresight.config import EngineConfig
 from foresight.drafter_worker.proposer import Draft, StatelessProposer
 from foresight.target_worker import strategy_choice

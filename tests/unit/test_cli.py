@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from foresight.server import cli
+from foresight import cli
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "auto"])

@@ -1,4 +1,4 @@
-"""Linear layers prepacked for oneDNN (target_worker/cpu_linear.py): the same products as nn.Linear up to
+"""Linear layers prepacked for oneDNN (models/cpu_linear.py): the same products as nn.Linear up to
 float rounding, the same weights for whatever else reads them, and greedy speculative output still equal
 to plain greedy decoding of the prepacked model."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from foresight.config import EngineConfig
-from foresight.target_worker import cpu_linear
-from foresight.target_worker.cpu_linear import PrepackedLinear, prepack_linears, prepacking_available, use_cpu_linears
+from foresight.models import cpu_linear
+from foresight.models.cpu_linear import PrepackedLinear, prepack_linears, prepacking_available, use_cpu_linears
 from support.inprocess import InProcessEngine
 from support.tiny_models import plain_greedy, tiny_model
 

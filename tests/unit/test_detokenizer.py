@@ -114,7 +114,7 @@ def test_stop_string_across_multibyte_tokens(step):
 def test_real_tokenizer_streams_its_own_full_decode():
     from pathlib import Path
 
-    from foresight.target_worker.loading import default_model_dir
+    from foresight.models.loading import default_model_dir
 
     path = default_model_dir()
     if not (Path(path) / "tokenizer.json").is_file():

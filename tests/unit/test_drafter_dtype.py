@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from foresight.config import ConfigError, EngineConfig
-from foresight.target_worker import loading
-from foresight.target_worker.loading import resolve_drafter_dtype
+from foresight.models import loading
+from foresight.models.loading import resolve_drafter_dtype
 
 
 def test_a_named_drafter_dtype_is_used_as_it_is():

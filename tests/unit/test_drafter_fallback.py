@@ -6,7 +6,7 @@ import pytest
 import torch
 import zmq
 
-from foresight.target_worker.sampling import PositionDraws
+from foresight.spec.sampling import PositionDraws
 from foresight.config import EngineConfig
 from foresight.protocol.addresses import WorkerAddresses
 from foresight.protocol.messages import (

@@ -116,7 +116,7 @@ def test_fault_config_is_validated():
 
 def test_serve_flags_reach_the_server_config():
     from foresight.config import server_from_args
-    from foresight.server.cli import build_parser
+    from foresight.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--drain-timeout", "7", "--heartbeat-timeout", "3",
                                       "--stall-timeout", "0", "--max-restarts", "2", "--restart-window", "60"])

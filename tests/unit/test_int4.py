@@ -177,7 +177,7 @@ def test_every_greedy_mode_equals_plain_greedy_on_the_int4_target():
 
 
 def test_a_converted_folder_remembers_its_gguf(tmp_path, tiny_gguf):
-    from foresight.target_worker.loading import GGUF_SOURCE_FILE, gguf_source
+    from foresight.models.loading import GGUF_SOURCE_FILE, gguf_source
 
     _, path, _ = tiny_gguf
     folder = tmp_path / "converted"

@@ -14,7 +14,7 @@ from foresight.bench.prompts import request_fields
 from foresight.bench.load import RequestResult, percentile, summarise_level
 from foresight.bench.report import write_load_chart
 from foresight.config import ConfigError, EngineConfig, engine_from_args
-from foresight.server.cli import build_parser
+from foresight.cli import build_parser
 
 
 def ok(start, chunks, end, tokens):
@@ -138,7 +138,7 @@ def test_serve_argv_carries_the_engine_flags():
     cfg = EngineConfig(dtype="float32", target_threads=2, drafter="ngram", borrow_drafter_threads=False,
                        mode="sync", model_name="m")
     argv = load.serve_argv(cfg, "ar", 1234, ["--max-num-seqs", "4"])
-    assert argv[1:4] == ["-m", "foresight.server.cli", "serve"]
+    assert argv[1:4] == ["-m", "foresight.cli", "serve"]
     flags = argv[4:]
     pairs = dict(zip(flags, flags[1:]))
     assert pairs["--dtype"] == "float32" and pairs["--target-threads"] == "2" and pairs["--drafter"] == "ngram"

@@ -1,4 +1,5 @@
-from foresight.drafter_worker.ngram import NgramProposer, lookup, lookup_match
+from foresight.drafter_worker.ngram import NgramProposer
+from foresight.spec.ngram import lookup, lookup_match
 from foresight.drafter_worker.proposer import Draft, DraftContext, StatelessProposer
 from foresight.drafter_worker.strategies import HybridProposer
 from foresight.protocol.messages import HiddenLayout

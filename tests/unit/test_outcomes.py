@@ -12,8 +12,8 @@ from scipy.stats import chi2
 
 from foresight.models.decoder import ForesightDecoder
 from foresight.drafter_worker.outcomes import hit_probability, outcome_scores, select_outcomes
-from foresight.target_worker.sampling import target_probs
-from foresight.target_worker.verification import in_nucleus, verify, verify_batch
+from foresight.spec.sampling import target_probs
+from foresight.spec.verification import in_nucleus, verify, verify_batch
 from support.tiny_models import VOCAB, tiny_model
 
 torch.set_num_threads(1)

@@ -13,7 +13,7 @@ from foresight.bench import quality
 from foresight.bench.harness import ModeTally, Run
 from foresight.bench.quality import Setting, answers_nll, parse_settings
 from foresight.config import ConfigError
-from foresight.server import cli
+from foresight import cli
 from support.tiny_models import VOCAB, tiny_model
 
 CORRECT_BODY = """    for i, a in enumerate(numbers):

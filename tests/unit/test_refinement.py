@@ -16,7 +16,7 @@ import torch
 from foresight.bench.harness import Run, request_for_run, refinement_runs, refinement_section, ModeTally
 from foresight.config import ConfigError, EngineConfig, add_engine_args, engine_from_args
 from foresight.drafter_worker.budget import Plan, StepCosts, plan_round
-from foresight.drafter_worker.costs import RunningCost
+from foresight.control.costs import RunningCost
 from foresight.models.draft_model import ContextKV, draw_noise
 from foresight.drafter_worker.proposer import DraftContext
 from foresight.drafter_worker.refinement import Refiner

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from foresight.target_worker.sampling import PositionDraws
+from foresight.spec.sampling import PositionDraws
 from foresight.config import EngineConfig
 from foresight.protocol.messages import DraftBlock
 from support.inprocess import InProcessEngine

@@ -6,7 +6,7 @@ import torch
 from scipy import stats
 
 from foresight.protocol.messages import SamplingParams
-from foresight.target_worker.sampling import _top_p_removed, is_greedy, process_logits, sample, target_probs
+from foresight.spec.sampling import _top_p_removed, is_greedy, process_logits, sample, target_probs
 
 
 @pytest.fixture(autouse=True)
@@ -199,7 +199,7 @@ def test_a_vanishing_top_p_keeps_the_top_token(top_p):
 def test_position_draws_depend_on_seed_and_position_only():
     """However positions are grouped into blocks, each gets the same draws: a seeded request's text cannot
     depend on its draft lengths."""
-    from foresight.target_worker.sampling import PositionDraws
+    from foresight.spec.sampling import PositionDraws
 
     draws = PositionDraws(7)
     whole = draws.block(10, 6, 50)
@@ -214,7 +214,7 @@ def test_position_draws_depend_on_seed_and_position_only():
 def test_the_exponential_race_samples_the_distribution():
     """argmax p(x) / E_x over position-keyed Exp(1) draws has law p (each count within 5 standard errors),
     and never draws a zero-probability token."""
-    from foresight.target_worker.sampling import PositionDraws
+    from foresight.spec.sampling import PositionDraws
 
     n, p = 20000, torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     tokens = sample(p.expand(n, -1), exponentials=PositionDraws(3).exponentials(0, n, len(p)))

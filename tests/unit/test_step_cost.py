@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from foresight.drafter_worker.verify_length import best_length
+from foresight.control.verify_length import best_length
 from foresight.target_worker.step_cost import StepCost
 
 # A CPU-like cost law: reading the weights dominates, each fed position adds a little.

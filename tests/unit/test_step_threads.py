@@ -6,7 +6,7 @@ import torch
 from foresight.config import EngineConfig
 from foresight.protocol.messages import GenerateRequest, SamplingParams
 from foresight.target_worker.request_state import RequestState
-from foresight.target_worker.sampling import PositionDraws
+from foresight.spec.sampling import PositionDraws
 from foresight.target_worker.step_threads import StepThreads, drafter_busy, winding_down_only
 
 

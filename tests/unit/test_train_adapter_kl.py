@@ -186,7 +186,7 @@ def test_kl_needs_a_predicted_decoder_depth(data_dir, target, tmp_path):  # noqa
 
 
 def test_cli_passes_the_loss_weights(data_dir, target, tmp_path, monkeypatch):  # noqa: F811
-    import foresight.target_worker.loading as loading
+    import foresight.models.loading as loading
     import foresight.training.train_adapter as ta
     from foresight.training.__main__ import main
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy import stats
 
-from foresight.target_worker.sampling import target_probs
-from foresight.target_worker.verification import (
+from foresight.spec.sampling import target_probs
+from foresight.spec.verification import (
     Verdict,
     excess_mass,
     in_nucleus,

@@ -10,8 +10,8 @@ import torch
 from foresight.config import ConfigError, EngineConfig
 from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
 from foresight.drafter_worker.proposer import DraftContext
-from foresight.drafter_worker.costs import CostBySize, fit_line
-from foresight.drafter_worker.verify_length import (
+from foresight.control.costs import CostBySize, fit_line
+from foresight.control.verify_length import (
     DRAFT_MARGIN,
     Acceptance,
     VerifyLengthController,
@@ -119,7 +119,7 @@ def test_config_and_cli_flag():
     assert EngineConfig().verify_length == "auto"
     with pytest.raises(ConfigError, match="verify_length"):
         EngineConfig(verify_length="short")
-    from foresight.server.cli import build_parser
+    from foresight.cli import build_parser
     from foresight.config import engine_from_args
 
     args = build_parser().parse_args(["serve", "--verify-length", "max"])

@@ -1,0 +1,1 @@
+"""How rounds are planned: cost estimators and the verify-length controller."""
