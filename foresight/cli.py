@@ -4,12 +4,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError, add_engine_args, add_server_args, engine_from_args, server_from_args
-from .protocol.kinds import Mode
-from .training.cli import COMMANDS as TRAIN_COMMANDS, add_train_args, run as run_training
+# Imported in the functions: `serve` takes the stop signals over before torch and the models load.
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .config import add_engine_args, add_server_args
+    from .training.cli import add_train_args
+
     parser = argparse.ArgumentParser(prog="foresight", description="LLM serving with pipelined speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -37,6 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    early = None
+    if argv[:1] == ["serve"]:
+        from .server.shutdown import EarlyStop
+
+        early = EarlyStop().install()  # SIGTERM while loading: exit 0, not death by the signal (143)
+    return _main(argv, early)
+
+
+def _main(argv: list[str], early=None) -> int:
+    from .config import ConfigError, engine_from_args
+    from .training.cli import COMMANDS as TRAIN_COMMANDS, run as run_training
+
     args = build_parser().parse_args(argv)
     try:
         if args.command == "prepare-model":
@@ -48,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_training(args)
         engine = engine_from_args(args)
         if args.command == "serve":
-            return serve(args, engine)
+            return serve(args, engine, early)
         if args.command == "eval-quality":
             check_mode(engine)
             from .bench.quality import run_quality
@@ -65,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
 def check_mode(engine) -> None:
     """`--mode pipelined` needs a foresight drafter, `--mode hybrid` a draft model: say so before any model is
     loaded (the workers would only find out at start-up, inside the server's lifespan, as a traceback)."""
+    from .config import ConfigError
     from .drafter_worker.jetspec_proposer import resolve_drafter_path
     from .drafter_worker.worker import why_no_foresight
+    from .protocol.kinds import Mode
 
     if engine.mode == Mode.HYBRID and resolve_drafter_path(engine) is None:
         raise ConfigError(f"--mode hybrid needs a trained drafter (--drafter {engine.drafter} means prompt lookup "
@@ -83,23 +99,33 @@ def check_mode(engine) -> None:
 CONNECTION_CLOSE_S = 5.0
 
 
-def serve(args: argparse.Namespace, engine) -> int:
+def serve(args: argparse.Namespace, engine, early=None) -> int:
     """Serve until SIGTERM/SIGINT (then drain) or until the engine gives up; 0 after a clean drain,
     1 when a worker's restart budget was spent."""
+    from .config import server_from_args
+
     cfg = server_from_args(args, engine)
     check_mode(engine)
     import logging
 
     import uvicorn
 
+    from .protocol.leftovers import remove_own_folders
     from .server.app import create_app
+    from .server.connections import header_timeout_protocol
     from .server.shutdown import DrainingServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if early is not None:
+        early.defer()  # from here on a stop signal has a socket folder and workers to clean up
     app = create_app(cfg)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
-                            timeout_graceful_shutdown=CONNECTION_CLOSE_S)
-    DrainingServer(config, app.state.drain).run()
+                            timeout_graceful_shutdown=CONNECTION_CLOSE_S,
+                            http=header_timeout_protocol(cfg.header_timeout_s), limit_concurrency=cfg.max_connections)
+    server = DrainingServer(config, app.state.drain, early)
+    server.run()
+    if server.force_exit:
+        remove_own_folders()  # the engine's own clean-up was skipped; the workers follow their parent out
     return app.state.drain.exit_code
 
 

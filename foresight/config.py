@@ -163,6 +163,12 @@ class ServerConfig:
     drain_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests get to finish
     # A body is refused (413) past this size, read no further: one huge body must not stall the api.
     max_request_bytes: int = 4 << 20
+    # Slow clients (headers or a body trickling in) hold a connection and a file descriptor each: their
+    # headers must arrive within header_timeout_s of the connection (or of the previous response), their
+    # body within body_timeout_s; past max_connections open ones, new requests get 503.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 1024
     request_timeout_s: float = 0.0  # wall-clock limit per request from its arrival; 0 = none
     idle_timeout_s: float = 0.0  # longest wait for a request's next output (first one included); 0 = none
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/* when set
@@ -183,6 +189,12 @@ class ServerConfig:
                               f"(got {self.max_kv_tokens})")
         if self.max_request_bytes < 1024:
             raise ConfigError("max_request_bytes must be >= 1024")
+        for name, value in (("header_timeout", self.header_timeout_s), ("body_timeout", self.body_timeout_s)):
+            if not 0.0 < value < float("inf"):
+                raise ConfigError(f"{name} (--{name.replace('_', '-')}) must be a finite number of seconds > 0 "
+                                  f"(got {value})")
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections (--max-connections) must be >= 1 (got {self.max_connections})")
         if not 0.0 <= self.request_timeout_s < float("inf"):
             raise ConfigError("request_timeout must be a finite number of seconds >= 0 (0 = no timeout)")
         if not 0.0 <= self.idle_timeout_s < float("inf"):
@@ -308,6 +320,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s)
     g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    help="largest request body accepted; larger ones get 413 (default 4 MiB)")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                   help="seconds a connection may take to send a request's headers (from its opening, or from "
+                        f"the previous response); then it is answered 408 and closed (default {d.header_timeout_s:g})")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help=f"seconds a request's body may take to arrive; then 408 (default {d.body_timeout_s:g})")
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections (and requests) beyond which new requests get 503 at once "
+                        f"(default {d.max_connections})")
     g.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
                    help="seconds a request may take from arrival, queueing included; then it is aborted "
                         "(504, or an error event in a stream). 0 = no limit")
@@ -342,6 +362,8 @@ def server_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerCo
                         max_kv_tokens=args.max_kv_tokens,
                         max_waiting=args.max_waiting, startup_timeout_s=args.startup_timeout,
                         max_request_bytes=args.max_request_bytes, request_timeout_s=args.request_timeout,
+                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                        max_connections=args.max_connections,
                         idle_timeout_s=args.idle_timeout,
                         api_key=api_key, max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                         heartbeat_timeout_s=args.heartbeat_timeout, stall_timeout_s=args.stall_timeout,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .addresses import FOLDER_PREFIX
 from .errors import ProtocolError
-from .owner import owner_gone
+from .owner import owner_gone, owner_tag
 from .transport import SHM_PREFIX, check_shm_name
 
 SHM_DIR = Path("/dev/shm")
@@ -49,6 +49,15 @@ def sweep_stale(tmpdir: str | os.PathLike | None = None, shm_dir: str | os.PathL
         except FileNotFoundError:
             pass  # another instance starting at the same moment swept it first
     return Swept(len(folders), len(segments))
+
+
+def remove_own_folders(tmpdir: str | os.PathLike | None = None) -> int:
+    """Remove the socket folders this process made (after a forced exit, or a stop before the engine could
+    remove its own); how many went."""
+    folders = sorted(Path(tmpdir or tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{owner_tag()}-*"))
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    return len(folders)
 
 
 def _is_segment_name(name: str) -> bool:

@@ -83,10 +83,14 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
-            await engine.start()
+            started = await drain.starting(engine.start())
         except BaseException:
             await engine.stop()  # no worker, socket folder or segment outlives a failed start
             raise
+        if not started:  # a stop signal came during start-up: the server exits without serving
+            await engine.stop()
+            yield
+            return
         info = engine.target_info()
         state["runner"] = RequestRunner(engine, tokenizer, model_name, info["max_model_len"], metrics,
                                         special_tokens_in_content=cfg.allow_special_tokens_in_content)
@@ -98,7 +102,7 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.drain = drain
-    app.add_middleware(BodyLimit, max_bytes=cfg.max_request_bytes, metrics=metrics)
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_request_bytes, metrics=metrics, timeout_s=cfg.body_timeout_s)
     if cfg.api_key:
         app.add_middleware(ApiKeyAuth, api_key=cfg.api_key)  # added last: runs first, before any body is read
 

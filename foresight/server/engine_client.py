@@ -157,7 +157,8 @@ class EngineClient:
     async def stop(self) -> None:
         """Stop the workers and leave nothing behind: sockets, their folder, shared memory."""
         self.admitting = False
-        await self._send_control(Shutdown(reason="api stopping"))
+        if self.supervisor.target_started:  # a target still loading has no socket to hear it (SIGTERM does)
+            await self._send_control(Shutdown(reason="api stopping"))
         await self.supervisor.stop()
         if self._reader is not None:
             self._reader.cancel()

@@ -1,10 +1,11 @@
-"""Pure ASGI guards in front of the app: the API key, then the request body size.
+"""Pure ASGI guards in front of the app: the API key, then the request body's size and time.
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware) so that a refused request is answered before its body
 is read, and so that the app's own `receive` (which reports a client's disconnect) is passed through.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
@@ -52,16 +53,18 @@ class ApiKeyAuth:
 
 
 class BodyLimit:
-    """Refuse bodies over `max_bytes` with 413, from Content-Length or while reading a chunked body.
+    """Refuse bodies over `max_bytes` with 413, from Content-Length or while reading a chunked body, and
+    bodies that take longer than `timeout_s` to arrive with 408 (a slow client holds a connection).
 
     The body is read here (at most `max_bytes` of it) and replayed to the app in one message; after
     that the app's `receive` is the server's again, so disconnects still reach it.
     """
 
-    def __init__(self, app, max_bytes: int, metrics=None):
+    def __init__(self, app, max_bytes: int, metrics=None, timeout_s: float | None = None):
         self.app = app
         self.max_bytes = max_bytes
         self.metrics = metrics
+        self.timeout_s = timeout_s
 
     def _declared_too_large(self, scope) -> bool:
         length = _header(scope, b"content-length")
@@ -70,11 +73,18 @@ class BodyLimit:
         except ValueError:
             return False  # the server rejects a malformed length itself; the count below still applies
 
-    async def _too_large(self, send) -> None:
+    async def _refuse(self, send, status: int, message: str) -> None:
         if self.metrics is not None:
             self.metrics.record_failure("bad_request")
-        await _send_error(send, 413, f"the request body is larger than this server accepts "
-                          f"({self.max_bytes} bytes, --max-request-bytes)", "invalid_request_error")
+        await _send_error(send, status, message, "invalid_request_error", [(b"connection", b"close")])
+
+    async def _too_large(self, send) -> None:
+        await self._refuse(send, 413, f"the request body is larger than this server accepts "
+                           f"({self.max_bytes} bytes, --max-request-bytes)")
+
+    async def _too_slow(self, send) -> None:
+        await self._refuse(send, 408, f"the request body did not arrive within {self.timeout_s:g} s "
+                           f"(--body-timeout)")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -84,8 +94,14 @@ class BodyLimit:
             await self._too_large(send)
             return
         chunks, size = [], 0
+        deadline = None if self.timeout_s is None else asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                await self._too_slow(send)
+                return
             if message["type"] != "http.request":  # the client left before sending it all
                 pending = [message]
                 break

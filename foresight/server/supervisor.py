@@ -105,6 +105,11 @@ class Supervisor:
         return self.workers["target"].state == UP
 
     @property
+    def target_started(self) -> bool:
+        """The target has said it is ready (it listens for messages), whatever happened since."""
+        return self.workers["target"].ready is not None
+
+    @property
     def degraded(self) -> bool:
         return self.healthy and self.workers["drafter"].state != UP
 

@@ -59,6 +59,7 @@ class LiveServer(str):
     port: int
     process: subprocess.Popen
     log_path: Path
+    cmd: list[str]
 
     def __new__(cls, base_url: str, port: int, process: subprocess.Popen, log_path: Path) -> "LiveServer":
         self = super().__new__(cls, base_url)
@@ -86,9 +87,9 @@ def _stop(process: subprocess.Popen, grace_s: float = 30.0) -> None:
     process.wait(timeout=10)
 
 
-@contextlib.contextmanager
-def start_server(log_dir: Path, extra_args: list[str] | None = None, port: int | None = None):
-    """Start `foresight serve` on `port` (default: a free one), wait for /health 200, yield a LiveServer, stop it."""
+def spawn_server(log_dir: Path, extra_args: list[str] | None = None, port: int | None = None) -> LiveServer:
+    """Start `foresight serve` on `port` (default: a free one) in its own session, logging to
+    <log_dir>/server.log; it is not waited for."""
     if importlib.util.find_spec(SERVER_MODULE) is None:
         pytest.skip(f"{SERVER_MODULE} does not exist yet: no `foresight serve` to test")
     port = port or free_port()
@@ -96,13 +97,22 @@ def start_server(log_dir: Path, extra_args: list[str] | None = None, port: int |
     cmd = [sys.executable, "-m", SERVER_MODULE, "serve", "--port", str(port), "--host", "127.0.0.1",
            "--dtype", suite_dtype()]
     cmd += list(extra_args or []) + shlex.split(os.environ.get("FORESIGHT_TEST_SERVER_ARGS", ""))
-    timeout_s = float(os.environ.get("FORESIGHT_TEST_SERVER_TIMEOUT", "900"))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
     server = LiveServer(f"http://127.0.0.1:{port}", port, process, log_path)
+    server.cmd = cmd
+    return server
+
+
+@contextlib.contextmanager
+def start_server(log_dir: Path, extra_args: list[str] | None = None, port: int | None = None):
+    """Start `foresight serve` on `port` (default: a free one), wait for /health 200, yield a LiveServer, stop it."""
+    server = spawn_server(log_dir, extra_args, port)
+    process, cmd = server.process, server.cmd
+    timeout_s = float(os.environ.get("FORESIGHT_TEST_SERVER_TIMEOUT", "900"))
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -135,6 +145,20 @@ def server_factory(tmp_path):
         folder.mkdir(exist_ok=True)
         return start_server(folder, list(args), port=port)
     return factory
+
+
+@pytest.fixture
+def server_spawner(tmp_path):
+    """`server_spawner("--flag", ...)` starts `foresight serve` without waiting for it (to test its start-up);
+    whatever is left of it is stopped at the end of the test."""
+    spawned = []
+
+    def spawn(*args: str) -> LiveServer:
+        spawned.append(spawn_server(tmp_path, list(args)))
+        return spawned[-1]
+    yield spawn
+    for server in spawned:
+        _stop(server.process)
 
 
 @pytest.fixture(scope="module")

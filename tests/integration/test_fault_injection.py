@@ -3,7 +3,6 @@
 Bounded waits with generous timeouts only: nothing here depends on how fast this machine is."""
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import threading
@@ -12,27 +11,11 @@ import time
 import httpx
 import pytest
 
-from support.live_server import stream_completion, wait_health
+from support.live_server import leftovers, pid_exists, stream_completion, wait_health
 
 pytestmark = pytest.mark.integration
 
 BODY = {"prompt": "Count from one to one hundred: one, two,", "temperature": 0, "ignore_eos": True}
-
-
-def pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def leftovers(pids: list[int]) -> list[str]:
-    """Socket folders and shared-memory segments named after any of `pids`."""
-    found = []
-    for pid in pids:
-        found += glob.glob(f"/tmp/foresight-zmq-{pid}x*") + glob.glob(f"/dev/shm/foresight_{pid}x*")
-    return found
 
 
 def test_stopped_drafter_is_found_hung_killed_and_replaced(server_factory):

@@ -146,6 +146,20 @@ class FakeEngine:
         self.aborted.append(req_id)
 
 
+class DrainEngine:
+    """What `Drain` uses of an engine: `in_flight` requests, admission, `abort_all`."""
+
+    def __init__(self, in_flight: int):
+        self.in_flight, self.admitting, self.aborted = in_flight, True, None
+
+    def close_admission(self) -> None:
+        self.admitting = False
+
+    async def abort_all(self, reason: str) -> None:
+        self.aborted = reason
+        self.in_flight = 0
+
+
 def worker_error(message: str, status: int = 500) -> RequestError:
     return RequestError(message, status)
 

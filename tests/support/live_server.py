@@ -1,7 +1,9 @@
 """Probing a live `foresight serve` from integration tests: health, metrics, streamed completions."""
 from __future__ import annotations
 
+import glob
 import json
+import os
 import time
 
 import httpx
@@ -62,3 +64,19 @@ def stream_completion(base: str, body: dict, on_event=None) -> dict:
             if on_event is not None:
                 on_event(n)
     return result
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def leftovers(pids: list[int]) -> list[str]:
+    """Socket folders and shared-memory segments named after any of `pids`."""
+    found = []
+    for pid in pids:
+        found += glob.glob(f"/tmp/foresight-zmq-{pid}x*") + glob.glob(f"/dev/shm/foresight_{pid}x*")
+    return found

@@ -24,6 +24,8 @@ from foresight.server.faults import HeartbeatMonitor, RestartBudget
 from foresight.server.shutdown import Drain
 from foresight.server.supervisor import DOWN, FAILED, UP, Hooks, Supervisor
 
+from support.fake_engine import DrainEngine
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -396,18 +398,6 @@ def test_health_is_200_degraded_without_the_drafter_and_503_without_the_target()
 
 async def _noop():
     pass
-
-
-class DrainEngine:
-    def __init__(self, in_flight):
-        self.in_flight, self.admitting, self.aborted = in_flight, True, None
-
-    def close_admission(self):
-        self.admitting = False
-
-    async def abort_all(self, reason):
-        self.aborted = reason
-        self.in_flight = 0
 
 
 def test_drain_waits_for_in_flight_requests_then_finishes():
