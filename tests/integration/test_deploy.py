@@ -56,6 +56,7 @@ DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards"
 # What Grafana would substitute: all models, and a rate window that holds several 1 s scrapes.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": ".*"}
 METRIC_NAME = re.compile(r"\bforesight_[a-zA-Z0-9_]+")
+SELECTOR = re.compile(r"\b(foresight_[a-zA-Z0-9_]+)(\{[^}]*\})?")  # a metric and its label matchers, if any
 
 
 # ------------------------------------------------------------------ helpers
@@ -413,7 +414,8 @@ def test_dashboard_uses_only_exported_metrics():
     referenced |= set(METRIC_NAME.findall(dashboard()["templating"]["list"][0]["definition"]))
     assert referenced - exported == set(), "dashboard references metrics ServerMetrics does not export"
     for _, expr in queries:
-        assert '{model_name=~".*"}' in expr, f"selector must go through $model_name: {expr}"
+        for name, matchers in SELECTOR.findall(expr):
+            assert 'model_name=~".*"' in matchers, f"{name} must be selected through $model_name: {expr}"
 
 
 # ------------------------------------------------------------------ a real Prometheus
