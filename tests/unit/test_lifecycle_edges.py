@@ -143,13 +143,16 @@ async def echo_app(scope, receive, send):
     await send({"type": "http.response.body", "body": payload})
 
 
+SLOW_S = 2.0  # the header and body timeouts of the test server
+
+
 @pytest.fixture
 def slow_server():
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(BodyLimit(echo_app, max_bytes=1 << 20, timeout_s=1.0), log_level="warning",
-                            http=header_timeout_protocol(1.0), lifespan="off")
+    config = uvicorn.Config(BodyLimit(echo_app, max_bytes=1 << 20, timeout_s=SLOW_S), log_level="warning",
+                            http=header_timeout_protocol(SLOW_S), lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -173,9 +176,15 @@ def read_all(conn: socket.socket, timeout_s: float = 10.0) -> bytes:
 def test_headers_that_never_finish_get_408_and_the_connection_closes(slow_server):
     with socket.create_connection(("127.0.0.1", slow_server)) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        for _ in range(3):  # trickling in, as a slow client does: none of it buys more time
-            time.sleep(0.2)
-            conn.sendall(b"X-Slow: 1\r\n")
+        cut_off = False
+        for _ in range(20):  # a header line every SLOW_S / 4 for 5 x SLOW_S, as a slow client trickles them
+            time.sleep(SLOW_S / 4)
+            try:
+                conn.sendall(b"X-Slow: 1\r\n")
+            except OSError:  # the server closed the connection: the bytes bought no time
+                cut_off = True
+                break
+        assert cut_off, "a connection that kept sending header bytes was never closed"
         reply = read_all(conn)
     assert reply.startswith(b"HTTP/1.1 408"), reply
     assert b"--header-timeout" in reply
@@ -193,11 +202,15 @@ def test_prompt_clients_are_served_and_kept_alive_past_the_header_timeout(slow_s
     request = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
     with socket.create_connection(("127.0.0.1", slow_server)) as conn:
         conn.settimeout(10)
-        for _ in range(3):  # three requests over 1.5 s on one connection: each has its own second
+        for _ in range(4):  # four requests over 3.2 s on one connection: each has its own SLOW_S
             conn.sendall(request)
-            reply = conn.recv(65536)
-            assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b'{"bytes": 5}'), reply
-            time.sleep(0.5)
+            reply = b""
+            while not reply.endswith(b'{"bytes": 5}'):  # the body may come in a segment of its own
+                chunk = conn.recv(65536)
+                assert chunk, f"the connection was closed after {reply!r}"
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 200"), reply
+            time.sleep(0.4 * SLOW_S)
 
 
 def test_an_idle_connection_is_closed_without_a_408(slow_server):
