@@ -52,8 +52,8 @@ def sweep_stale(tmpdir: str | os.PathLike | None = None, shm_dir: str | os.PathL
 
 
 def remove_own_folders(tmpdir: str | os.PathLike | None = None) -> int:
-    """Remove the socket folders this process made (after a forced exit, or a stop before the engine could
-    remove its own); how many went."""
+    """Remove the socket folders this process made (after a forced exit, which skips the engine's own clean-up);
+    how many went."""
     folders = sorted(Path(tmpdir or tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{owner_tag()}-*"))
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
