@@ -16,7 +16,7 @@ VERIFICATIONS = ("exact", "nucleus")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 VERIFY_LENGTHS = ("auto", "prefix", "max")
 CPU_LINEARS = ("auto", "prepacked", "plain")  # models/cpu_linear.py
-QUANTIZATIONS = ("auto", "none", "int4")  # models/quantization.py
+QUANTIZATIONS = ("auto", "none", "int4", "int8")  # models/quantization.py
 COMPILES = ("auto", "on", "off")  # models/compiled_step.py
 LOGPROBS_MODES = ("raw", "processed")  # target_worker/logprobs.py
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -56,8 +56,9 @@ class EngineConfig:
     # "plain" = nn.Linear, "auto" = prepacked for fp32 models (bf16 is not measured on a native-bf16 CPU yet)
     cpu_linear: str = "auto"
     # The target's linear weights: "int4" = 4-bit groups of 32 on torch's int4 kernel (a GGUF target's own
-    # Q4 weights, else quantized at load), "none" = dense, "auto" = int4 for a GGUF target with 4-bit weights
-    # served in bf16 on a CPU (models/quantization.py)
+    # Q4 weights, else quantized at load), "int8" = 8-bit per output channel on torch's int8 kernel (quantized
+    # at load), "none" = dense, "auto" = int4 for a GGUF target with 4-bit weights served in bf16 on a CPU
+    # (models/quantization.py)
     quantization: str = "auto"
     # The target's forwards of a few tokens of one request as ahead-of-time compiled graphs (AOTInductor, CPU):
     # "on", "off", "auto" = on for an int4 target on a CPU, where it measured faster (models/compiled_step.py)
@@ -256,7 +257,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "auto (prepacked for float32 models)")
     g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
                    help="the target's linear weights: int4 (4-bit groups of 32 on torch's int4 CPU kernel: a GGUF "
-                        "target's own Q4 weights, else quantized at load), none (dense), auto (int4 for a GGUF "
+                        "target's own Q4 weights, else quantized at load), int8 (8-bit per output channel on "
+                        "torch's int8 CPU kernel, quantized at load), none (dense), auto (int4 for a GGUF "
                         "target with 4-bit weights served in bf16 on a CPU, e.g. the embedded default)")
     g.add_argument("--compile", default=d.compile, choices=COMPILES,
                    help="the target's steps of one request (1 to block-size tokens) as ahead-of-time compiled graphs "

@@ -14,8 +14,9 @@ The graph writes the new keys/values into the request's buffers in place (at the
 their first W columns, so the buffers must already hold the request's past in columns [0, T) and have room for the
 bucket (target_worker/slot_kv.py). A batched graph does the same for each row of batched buffers
 (target_worker/batched_kv.py: row b holds request b's past). Its batch size B is symbolic over a range in which
-every linear layer takes one path: an int4 target's layers run the int4 kernel up to INT4_MAX_ROWS rows and a
-dense copy past them (models/int4_linear.py), so each side of that line has a graph of its own.
+every linear layer takes one path: a quantized target's layers run their weight-only kernel up to a few rows
+(int4: 8, int8: 2) and a dense copy past them (models/weight_only.py), so each side of that line has a graph of its
+own.
 
 A graph returns the last decoder layer's output before the final norm (the runner's logit head takes it from there,
 fp32 included) and the hidden states the drafter reads.
@@ -44,13 +45,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .int4_linear import INT4_MAX_ROWS, serves_int4
+from .int4_linear import serves_int4
+from .weight_only import kernel_rows
 
 log = logging.getLogger("foresight.compiled_step")
 
 # Modules whose code runs inside the traced forward (besides transformers'): a change recompiles.
 TRACED_MODULES = (__name__, "foresight.target_worker.packed_step", "foresight.target_worker.small_attention",
-                  "foresight.models.cpu_linear", "foresight.models.int4_linear")
+                  "foresight.models.cpu_linear", "foresight.models.weight_only", "foresight.models.int4_linear",
+                  "foresight.models.int8_linear")
 STALE_DAYS = 14  # a package no start has loaded for this long is deleted (prune_stale)
 MAX_COLUMNS = 1 << 20  # the symbolic key columns / buffer capacity may be anything up to this
 EXAMPLE_PAST = 8  # positions in the KV buffers of the example inputs the trace runs on
@@ -342,11 +345,12 @@ def step_buckets(block_size: int) -> tuple[int, ...]:
 
 
 def batch_ranges(model: nn.Module, most: int = MAX_BATCH) -> tuple[tuple[int, int], ...]:
-    """Batch sizes of the 1-token batched graphs: one range per path the linear layers take (an int4 target's
-    kernel up to INT4_MAX_ROWS rows, its dense copy past them)."""
-    if serves_int4(model):
-        return (2, INT4_MAX_ROWS), (INT4_MAX_ROWS + 1, most)
-    return ((2, most),)
+    """Batch sizes of the 1-token batched graphs: one range per path the linear layers take (a quantized
+    target's kernel up to its row limit, its dense copy past them)."""
+    limit = kernel_rows(model)
+    if limit is None or limit < 2:
+        return ((2, most),)
+    return (2, limit), (limit + 1, most)
 
 
 def compile_refusal(model: nn.Module, device: str) -> str | None:

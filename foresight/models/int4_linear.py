@@ -9,37 +9,35 @@ those, not the file's fp16 values (docs/numerics.md, "The int4 target").
 The kernel streams a quarter of a bf16 weight's bytes, which is what a decoding step is bound by, but it is
 not a GEMM: measured on a 2-core AMD EPYC with avx512_bf16, 1 thread, the 210 linears of SmolLM2-135M
 against prepacked bf16 (oneDNN): 2.5x faster at 1 row, 1.9x at 4, 1.2x at 8, 0.8x at 16, 0.5x at 64
-(`scripts/int4_linear.py 1`; 2 threads: 3.1x, 2.3x, 1.7x, 1.0x, 0.6x). So a forward over more than `INT4_MAX_ROWS` rows (batched steps of many
-requests, prompt chunks) multiplies by a dense copy of the *same* weights (scale * (q - 8) + zero, rounded
-to the dtype), prepacked for oneDNN where it can be. With fp32 activations the kernel takes a slow
-reference path (25x slower than fp32 oneDNN at 1 row): int4 is only chosen automatically for bf16.
+(`scripts/weight_only.py 1`; 2 threads: 3.1x, 2.3x, 1.7x, 1.0x, 0.6x). So a forward over more than
+`INT4_MAX_ROWS` rows multiplies by a dense copy of the same weights (models/weight_only.py). With fp32
+activations the kernel takes a slow reference path (25x slower than fp32 oneDNN at 1 row): int4 is only
+chosen automatically for bf16.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .cpu_linear import PACK_FOR_ROWS, prepacking_available
 from .gguf_weights import BLOCK, Q4Weight
+from .weight_only import WeightOnlyLinear
 
 INT4_MAX_ROWS = 8  # rows up to which the int4 kernel is faster than the dense copy (measured above)
 INNER_K_TILES = 1  # unused by the CPU packing, kept at the value torch's own int4 CPU path passes
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(WeightOnlyLinear):
     """`x @ w.T + bias` with w a `Q4Weight`, served by the int4 kernel for a few rows and a dense copy else."""
 
+    max_rows = INT4_MAX_ROWS
+    label = f"int4 group {BLOCK}"
+
     def __init__(self, weight: Q4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
+        super().__init__(*weight.shape, bias, dtype)
         scale_zero = torch.stack([weight.d, weight.m + 8 * weight.d], dim=-1)  # [out, groups, 2]
         self.scale_zero = scale_zero.transpose(0, 1).contiguous().to(dtype)  # [groups, out, 2]
         self.packed = torch._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), INNER_K_TILES)
-        self.bias = None if bias is None else bias.detach().to(dtype)
-        dense = self.served_weight(weight.codes).to(dtype)  # [out, in]
-        # Only the packed copy is kept where oneDNN can pack (no plain weight: nothing else reads it).
-        self.dense_packed = prepacking_available(dtype)
-        self.dense = torch.ops.mkldnn._reorder_linear_weight(dense, PACK_FOR_ROWS) if self.dense_packed else dense
+        self.keep_dense(self.served_weight(weight.codes), dtype)
 
     def served_weight(self, codes: torch.Tensor) -> torch.Tensor:
         """[out, in] float32: the weight the kernel multiplies by, scale * (q - 8) + zero."""
@@ -47,25 +45,8 @@ class Int4Linear(nn.Module):
         return (scale.repeat_interleave(BLOCK, 1) * (codes.float() - 8)
                 + zero.repeat_interleave(BLOCK, 1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out]"""
-        rows = x.reshape(-1, self.in_features)  # [rows, in]
-        if rows.shape[0] > INT4_MAX_ROWS or rows.shape[0] == 0:
-            return self.dense_forward(x)
-        out = torch._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, BLOCK, self.scale_zero)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out] through the dense copy."""
-        if self.dense_packed:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.dense, self.bias, "none", [], "")
-        return nn.functional.linear(x, self.dense, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {BLOCK}"
-
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(rows, self.packed, BLOCK, self.scale_zero)
 
 
 def serves_int4(model: nn.Module) -> bool:

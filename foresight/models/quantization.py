@@ -6,8 +6,12 @@
   head, stay dense); any other target is quantized at load, Q4_1-style, every linear of its decoder layers.
 - `auto`: `int4` where it is the model as it ships and where it is fast: a target with 4-bit weights in its
   GGUF, on a CPU, in bf16 (the kernel's fast path); else `none`.
+- `int8`: 8-bit weights with one scale per output channel, quantized at load from the model's dense weights
+  (models/int8_linear.py), every linear of its decoder layers: half the bytes of bf16, closer to the dense
+  model than 4-bit groups. Never chosen by `auto`: no shipped file of ours holds weights in that form.
 
-Only the CPU kernel is wired: int4 on a GPU device is refused, not run dequantized behind the user's back.
+Only the CPU kernels are wired: int4 or int8 on a GPU device is refused, not run dequantized behind the user's
+back.
 """
 from __future__ import annotations
 
@@ -23,13 +27,14 @@ from torch import nn
 from ..config import ConfigError
 from .gguf_weights import BLOCK, Q4Weight, q4_tensor_count, read_q4_weights
 from .int4_linear import Int4Linear
+from .int8_linear import Int8Linear
 
 log = logging.getLogger("foresight.quantization")
 
 
 def apply_quantization(model: nn.Module, choice: str, path: Path, device: str, owner: str) -> str:
     """Serve the linears of `model` (loaded from the folder `path` onto `device`) as `choice` (auto | none |
-    int4) says; what it resolved to."""
+    int4 | int8) says; what it resolved to."""
     from .loading import gguf_source
 
     gguf = gguf_source(path)
@@ -43,9 +48,10 @@ def apply_quantization(model: nn.Module, choice: str, path: Path, device: str, o
 
 
 def resolve_quantization(choice: str, gguf: Path | None, dtype: torch.dtype, device: str) -> str:
-    """What `choice` (auto | none | int4) means for a model of `dtype` on `device` whose GGUF source is `gguf`."""
-    if choice == "int4" and not device.startswith("cpu"):
-        raise ConfigError(f"quantization: int4 runs on CPU devices only for now (got device {device!r}); "
+    """What `choice` (auto | none | int4 | int8) means for a model of `dtype` on `device` whose GGUF source is
+    `gguf`."""
+    if choice in ("int4", "int8") and not device.startswith("cpu"):
+        raise ConfigError(f"quantization: {choice} runs on CPU devices only for now (got device {device!r}); "
                           "use --quantization none")
     if choice != "auto":
         return choice
@@ -55,11 +61,13 @@ def resolve_quantization(choice: str, gguf: Path | None, dtype: torch.dtype, dev
 
 
 def quantize_model(model: nn.Module, choice: str, gguf: Path | None, owner: str) -> int:
-    """Serve `model`'s linears as `choice` says ("none" or "int4", already resolved); the number replaced.
-    With a GGUF source holding 4-bit weights they are used as they are; else the decoder layers' linears
-    are quantized here."""
+    """Serve `model`'s linears as `choice` says ("none", "int4" or "int8", already resolved); the number
+    replaced. int4: with a GGUF source holding 4-bit weights they are used as they are; else (and for int8
+    always) the decoder layers' linears are quantized here."""
     if choice == "none":
         return 0
+    if choice == "int8":
+        return quantize_int8(model, owner)
     start = time.perf_counter()
     dtype = next(model.parameters()).dtype
     weights = read_q4_weights(gguf, model) if gguf is not None else {}
@@ -73,6 +81,21 @@ def quantize_model(model: nn.Module, choice: str, gguf: Path | None, owner: str)
     log.info("%s: %d linear layers served in int4 from %s (%.1f s)", owner, len(weights), source,
              time.perf_counter() - start)
     return len(weights)
+
+
+def quantize_int8(model: nn.Module, owner: str) -> int:
+    """Serve every linear of `model`'s decoder layers as an `Int8Linear`; the number replaced."""
+    start = time.perf_counter()
+    dtype = next(model.parameters()).dtype
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and ".layers." in name]
+    for name in names:
+        parent, leaf = name.rsplit(".", 1)
+        module = model.get_submodule(name)
+        setattr(model.get_submodule(parent), leaf, Int8Linear(module.weight, module.bias, dtype))
+    release_freed_memory()
+    log.info("%s: %d linear layers served in int8, quantized at load (%.1f s)", owner, len(names),
+             time.perf_counter() - start)
+    return len(names)
 
 
 def release_freed_memory() -> None:

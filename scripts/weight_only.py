@@ -1,10 +1,11 @@
-"""The int4 target against the dense one (`--quantization int4` vs `none`), side by side.
+"""Weight-only quantized targets against the dense one (`--quantization int4|int8` vs `none`), side by side.
 
-    .venv/bin/python scripts/int4_linear.py [threads]
+    .venv/bin/python scripts/weight_only.py [threads] [int4,int8]
 
-Loads the embedded default twice in bf16 (one copy served from the GGUF's 4-bit weights, models/int4_linear.py),
-then times, interleaved: (1) the 210 linears of the decoder layers alone at 1..64 rows, int4 kernel against
-the prepacked dense weights (where INT4_MAX_ROWS comes from); (2) the forwards a server runs: a 1-token step,
+Loads the embedded default in bf16 once per setting (`none`, and each quantization named: int4 = the GGUF's own
+4-bit weights, int8 = per-channel 8-bit quantized at load; models/weight_only.py), then times, interleaved:
+(1) the 210 linears of the decoder layers alone at 1..64 rows, each kernel against the prepacked dense copy of
+its own weights (where INT4_MAX_ROWS and INT8_MAX_ROWS come from); (2) the forwards a server runs: a 1-token step,
 an 8-position verify, one batched step of 8 requests and a 60-token prefill. Prints medians in ms.
 """
 import statistics
@@ -13,9 +14,9 @@ import time
 
 import torch
 
-from foresight.models.int4_linear import Int4Linear
 from foresight.models.quantization import apply_quantization
 from foresight.models.cpu_linear import use_cpu_linears
+from foresight.models.weight_only import weight_only_layers
 from foresight.models.loading import load_target, resolve_target
 from foresight.target_worker.runner import TargetRunner
 
@@ -45,21 +46,22 @@ def median_ms(fn, rounds: int = ROUNDS) -> float:
     return statistics.median(times[2:]) * 1e3
 
 
-def linears_alone(model) -> None:
-    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+def linears_alone(name: str, model) -> None:
+    layers = weight_only_layers(model)
     for rows in (1, 2, 4, 8, 16, 64):
         xs = {n: torch.randn(rows, n, dtype=torch.bfloat16) for n in {m.in_features for m in layers}}
-        int4 = median_ms(lambda: [torch._weight_int4pack_mm_for_cpu(xs[m.in_features], m.packed, 32, m.scale_zero)
-                                  for m in layers], 7)
+        kernel = median_ms(lambda: [m.kernel(xs[m.in_features]) for m in layers], 7)
         dense = median_ms(lambda: [m.dense_forward(xs[m.in_features]) for m in layers], 7)
-        print(f"{len(layers)} linears, {rows:>2} rows: int4 {int4:6.2f} ms  dense {dense:6.2f} ms  "
-              f"int4 {dense / int4:.2f}x")
+        print(f"{len(layers)} linears, {rows:>2} rows: {name} {kernel:6.2f} ms  dense {dense:6.2f} ms  "
+              f"{name} {dense / kernel:.2f}x")
 
 
 def main() -> None:
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
-    models = {"none": served("none"), "int4": served("int4")}
-    linears_alone(models["int4"])
+    kinds = sys.argv[2].split(",") if len(sys.argv) > 2 else ["int4"]
+    models = {"none": served("none")} | {kind: served(kind) for kind in kinds}
+    for kind in kinds:
+        linears_alone(kind, models[kind])
     runners = {name: TargetRunner(model) for name, model in models.items()}
     caches = {}
     for name, runner in runners.items():
@@ -69,12 +71,13 @@ def main() -> None:
     for label, forward in FORWARDS.items():
         times = {name: [] for name in runners}
         for i in range(ROUNDS):
-            for name in (list(runners) if i % 2 else list(runners)[::-1]):
+            for name in (list(runners) if i % 2 else list(runners)[::-1]):  # alternate the order
                 t0 = time.perf_counter()
                 forward(runners[name], caches[name])
                 times[name].append(time.perf_counter() - t0)
         ms = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
-        print(f"{label:>26}: none {ms['none']:6.2f} ms  int4 {ms['int4']:6.2f} ms  int4 {ms['none'] / ms['int4']:.2f}x")
+        print(f"{label:>26}: " + "  ".join(f"{name} {ms[name]:6.2f} ms ({ms['none'] / ms[name]:.2f}x)"
+                                            for name in runners))
 
 
 if __name__ == "__main__":
