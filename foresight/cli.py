@@ -111,6 +111,7 @@ def serve(args: argparse.Namespace, engine, early=None) -> int:
     import uvicorn
 
     from .protocol.leftovers import remove_own_folders
+    from .protocol.placement import pin_api
     from .server.app import create_app
     from .server.connections import header_timeout_protocol
     from .server.shutdown import DrainingServer
@@ -118,6 +119,7 @@ def serve(args: argparse.Namespace, engine, early=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if early is not None:
         early.defer()  # from here on a stop signal has a socket folder and workers to clean up
+    pin_api(engine)  # the workers it spawns start there too, then pin themselves to their own cores
     app = create_app(cfg)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
                             timeout_graceful_shutdown=CONNECTION_CLOSE_S,

@@ -71,6 +71,10 @@ class EngineConfig:
     # being drafted, no foresight running): plain and prompt-lookup rounds, and the verification of a
     # sync or hybrid block, during which the drafter waits for the outcome.
     borrow_drafter_threads: bool = True
+    # CPU cores each worker process (and its threads) runs on, as a list like "0-3,8" ("" = not pinned); the api
+    # takes the cores left. Pinned workers never borrow each other's threads (protocol/placement.py).
+    target_cores: str = ""
+    drafter_cores: str = ""
     ngram_max: int = 4  # longest n-gram the prompt-lookup proposer matches
     ngram_min: int = 2  # 1-gram matches mostly propose wrong drafts, which cost verify time
     hybrid_min_match: int = 3  # hybrid: prompt lookup drafts on a match of at least this many tokens
@@ -108,6 +112,7 @@ class EngineConfig:
             raise ConfigError("cache_size must be >= 1")
         if self.target_threads < 1 or self.drafter_threads < 1:
             raise ConfigError("thread counts must be >= 1")
+        self._check_cores()
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")
         if not 1 <= self.hybrid_min_match <= self.ngram_max:
@@ -121,6 +126,26 @@ class EngineConfig:
         self.refinement = Refinement.parse(self.refinement, "refinement", ConfigError)
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError("max_num_batched_tokens must be >= block_size (one verify block per step)")
+
+    def _check_cores(self) -> None:
+        """Core lists parse, do not overlap, and hold at least as many cores as their worker's threads."""
+        target, drafter = self.cores("target"), self.cores("drafter")
+        if set(target) & set(drafter):
+            raise ConfigError(f"target_cores and drafter_cores overlap (core(s) "
+                              f"{format_cores(sorted(set(target) & set(drafter)))}): give each worker cores of its own")
+        for owner, cores, threads in (("target", target, self.target_threads),
+                                      ("drafter", drafter, self.drafter_threads)):
+            if cores and threads > len(cores):
+                raise ConfigError(f"{owner}_threads: {threads} threads on {len(cores)} core(s) "
+                                  f"({owner}_cores {format_cores(cores)}); use at most one thread per core")
+
+    def cores(self, owner: str) -> tuple[int, ...]:
+        """The cores `owner` ("target" or "drafter") is pinned to (empty: not pinned)."""
+        return parse_cores(getattr(self, f"{owner}_cores"), f"{owner}_cores")
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.target_cores or self.drafter_cores)
 
     @property
     def gamma(self) -> int:
@@ -217,6 +242,23 @@ class ServerConfig:
             raise ConfigError("startup_timeout must be a finite number of seconds > 0")
 
 
+def parse_cores(text: str, name: str) -> tuple[int, ...]:
+    """"0-3,8" -> (0, 1, 2, 3, 8): a Linux CPU list (as taskset and cpuset take them); "" -> ()."""
+    cores: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()) or (high and int(high) < int(low)):
+            raise ConfigError(f"{name}: {part!r} is not a core or a range of cores (expected a list like 0-3,8)")
+        cores.update(range(int(low), int(high or low) + 1))
+    if text.strip() and not cores:
+        raise ConfigError(f"{name}: no core in {text!r}")
+    return tuple(sorted(cores))
+
+
+def format_cores(cores) -> str:
+    return ",".join(map(str, cores))
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)} (got {value!r})")
@@ -271,6 +313,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--borrow-drafter-threads", default=d.borrow_drafter_threads,
                    action=argparse.BooleanOptionalAction,
                    help="CPU: target steps also use the drafter's threads while the drafter idles")
+    g.add_argument("--target-cores", default=d.target_cores,
+                   help="CPU cores the target worker runs on, e.g. 0-3 (default: not pinned); pinned workers never "
+                        "borrow each other's threads, and the api runs on the cores left")
+    g.add_argument("--drafter-cores", default=d.drafter_cores,
+                   help="CPU cores the drafter worker runs on, e.g. 4-5 (default: not pinned)")
     g.add_argument("--ngram-max", type=int, default=d.ngram_max, help="prompt lookup: longest n-gram matched")
     g.add_argument("--ngram-min", type=int, default=d.ngram_min, help="prompt lookup: shortest n-gram matched")
     g.add_argument("--hybrid-min-match", type=int, default=d.hybrid_min_match,
@@ -301,7 +348,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    cfg = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    check_cores_exist(cfg)
+    return cfg
+
+
+def check_cores_exist(cfg: EngineConfig) -> None:
+    """The pinned cores are ones this process may run on (checked once, where the flags are read: a worker
+    inherits the api's narrower set)."""
+    available = os.sched_getaffinity(0)
+    for owner in ("target", "drafter"):
+        missing = sorted(set(cfg.cores(owner)) - available)
+        if missing:
+            raise ConfigError(f"{owner}_cores: core(s) {format_cores(missing)} do not exist or are not available "
+                              f"to this process (available: {format_cores(sorted(available))})")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -397,7 +397,8 @@ def machine_info(cfg: EngineConfig) -> dict:
     return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
             "target_device": cfg.target_device, "drafter_device": cfg.drafter_device,
             "target_threads": cfg.target_threads, "drafter_threads": cfg.drafter_threads,
-            "borrow_drafter_threads": cfg.borrow_drafter_threads, "cpu_linear": cfg.cpu_linear,
+            "borrow_drafter_threads": cfg.borrow_drafter_threads and not cfg.pinned, "cpu_linear": cfg.cpu_linear,
+            "target_cores": cfg.target_cores, "drafter_cores": cfg.drafter_cores,
             "compile": cfg.compile,
             "dtype": str(dtype).replace("torch.", ""), "quantization": served_quantization(cfg, dtype),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}

@@ -34,6 +34,7 @@ from ..protocol.addresses import WorkerAddresses
 from ..protocol.kinds import Strategy
 from ..protocol.messages import DraftBlock, DrafterIdle, Outcome, ReleaseDraft, Shutdown, StartDraft, WorkerReady
 from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
+from ..protocol.placement import pin_worker
 from ..protocol.sockets import MessageSocket
 from .ngram import NgramProposer
 from .proposer import Draft, DraftContext, Proposer
@@ -380,6 +381,7 @@ def main(cfg_dict: dict, addrs_dict: dict) -> None:
     prepare_worker_process()
     cfg = EngineConfig.from_dict(cfg_dict)
     addrs = WorkerAddresses.from_dict(addrs_dict)
+    pin_worker(cfg, "drafter")  # before torch starts its threads: they inherit the cores
     torch.set_num_threads(cfg.drafter_threads)
     ctx = zmq.Context()
     with worker_lifetime(ctx, addrs, "drafter"):

@@ -55,7 +55,9 @@ class StepThreads:
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "StepThreads":
         both_cpu = cfg.target_device == "cpu" and cfg.drafter_device == "cpu"
-        return cls(cfg.target_threads, cfg.drafter_threads if cfg.borrow_drafter_threads and both_cpu else 0)
+        # Pinned workers keep to their own cores: a borrowed thread would run on the target's cores anyway.
+        borrow = cfg.borrow_drafter_threads and both_cpu and not cfg.pinned
+        return cls(cfg.target_threads, cfg.drafter_threads if borrow else 0)
 
     @property
     def most(self) -> int:

@@ -47,6 +47,7 @@ from ..protocol.messages import (
     WorkerReady,
 )
 from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
+from ..protocol.placement import pin_worker
 from ..protocol.sockets import MessageSocket
 from ..protocol.transport import default_transport
 from ..models.compiled_step import compiled_step_for
@@ -612,6 +613,7 @@ def main(cfg_dict: dict, addrs_dict: dict, layout_dict: dict, strategies: list[s
     prepare_worker_process()
     cfg = EngineConfig.from_dict(cfg_dict)
     addrs = WorkerAddresses.from_dict(addrs_dict)
+    pin_worker(cfg, "target")  # before torch starts its threads: they inherit the cores
     torch.set_num_threads(cfg.target_threads)
     ctx = zmq.Context()
     with worker_lifetime(ctx, addrs, "target"):

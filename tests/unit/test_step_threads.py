@@ -52,3 +52,4 @@ def test_step_threads_borrow_the_drafters_share_and_switch_only_on_change(monkey
     assert StepThreads.from_config(EngineConfig(drafter_threads=2)).borrowable == 2
     assert StepThreads.from_config(EngineConfig(borrow_drafter_threads=False)).borrowable == 0
     assert StepThreads.from_config(EngineConfig(drafter_device="cuda:1")).borrowable == 0  # not the CPU's cores
+    assert StepThreads.from_config(EngineConfig(target_cores="0", drafter_cores="1")).borrowable == 0  # pinned apart
