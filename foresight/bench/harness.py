@@ -275,6 +275,8 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     summary = {r.label: tallies[r.label].summary(r.mode, ar) | {"warmup_s": warmup_s[r.label]} for r in mode_runs}
     for label, fields in numerics_probe(cfg, args, requests, mode_runs, tallies).items():
         summary[label].update(fields)
+    if "pipelined" in summary:
+        summary["pipelined"].update(pipeline_efficiency(summary))
     report = {
         "model": str(cfg.target or "SmolLM2-135M-Instruct (embedded default)"),
         "drafter": drafter,
@@ -383,6 +385,20 @@ def ratios(summary: dict) -> dict:
     best = max(baselines, key=lambda m: summary[m]["tokens_per_s"], default=None)
     out["auto_vs_best_of_ar_ngram"] = r("auto", best) if best else None
     return {k: v for k, v in out.items() if v is not None or k in ("sync_vs_ar", "pipelined_vs_sync", "pipelined_vs_ar")}
+
+
+def pipeline_efficiency(summary: dict) -> dict:
+    """How much of a perfect pipeline's gain `pipelined` got over `sync` in this run. A perfect pipeline hides
+    sync's exposed drafting behind the verification: at equal tau it would run (exposed draft + verify) / verify
+    times sync's speed (`pipeline_gain_ideal`); `pipeline_efficiency` is the share of that gain obtained,
+    (pipelined / sync - 1) / (ideal - 1): 1 = all of it, 0 = none, negative = slower than sync."""
+    sync, pipelined = summary.get("sync", {}), summary.get("pipelined", {})
+    exposed, verify = sync.get("exposed_draft_ms_mean"), sync.get("verify_ms_mean")
+    if exposed is None or not verify or not sync.get("tokens_per_s") or not pipelined.get("tokens_per_s"):
+        return {"pipeline_gain_ideal": None, "pipeline_efficiency": None}
+    ideal = (exposed + verify) / verify
+    gain = pipelined["tokens_per_s"] / sync["tokens_per_s"]
+    return {"pipeline_gain_ideal": ideal, "pipeline_efficiency": (gain - 1) / (ideal - 1) if ideal > 1 else None}
 
 
 def served_quantization(cfg: EngineConfig, dtype: torch.dtype) -> str:

@@ -24,11 +24,20 @@ def write_chart(report: dict, path: Path) -> None:
     for i, v in enumerate(tau):
         ax2.text(i, v, f"{v:.2f}", ha="center", va="bottom")
     s = report["settings"]
-    fig.suptitle(f"{report['model']} | drafter {report['drafter']} | T={s['temperature']} | block {s['block_size']}",
-                 fontsize=9)
+    fig.suptitle(f"{report['model']} | drafter {report['drafter']} | T={s['temperature']} | block {s['block_size']}"
+                 + _pipeline_note(report["modes"].get("pipelined", {})), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _pipeline_note(pipelined: dict) -> str:
+    """The pipeline's efficiency and tau on hits / misses, for the title (empty without a pipelined run)."""
+    if pipelined.get("pipeline_efficiency") is None:
+        return ""
+    taus = " / ".join(f"{pipelined[k]:.2f}" if pipelined.get(k) is not None else "-" for k in ("tau_hits", "tau_misses"))
+    return (f"\npipelined: {pipelined['pipeline_efficiency']:.0%} of the ideal gain "
+            f"{pipelined['pipeline_gain_ideal']:.2f}x over sync | tau hit / miss {taus}")
 
 
 def write_quality_chart(report: dict, path: Path) -> None:
