@@ -4,10 +4,11 @@
 
 Loads the embedded default target as served (bf16 on a CPU with native bf16, its GGUF's int4 weights where
 `--quantization auto` picks them) and the shipped draft model three times: the linears of its draft layers (the
-context projection stays dense: the model reads its weight's dtype and device) dense and prepacked as the drafter worker serves them, per-channel int8, and Q4_1-style int4
-quantized at load (models/weight_only.py). Each runs the offline round loop of `foresight eval-drafter` (sync,
-T=0, block 8, J0, the checkpoint's default) over the same prompts; prints tau, drafting and verification ms per
-round, and the tokens per second those give (tau / (draft + verify)): a faster but worse drafter may lose.
+context projection stays dense: the model reads its weight's dtype and device) dense and prepacked as the drafter
+worker serves them, per-channel int8, and Q4_1-style int4 quantized at load (models/weight_only.py). Each runs the
+offline round loop of `foresight eval-drafter` (sync, T=0, block 8, J0, the checkpoint's default) over the same
+prompts; prints tau, drafting and verification ms per round, and the tokens per second those give (tau / (draft +
+verify)): a faster but worse drafter may lose.
 """
 import sys
 

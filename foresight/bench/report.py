@@ -35,7 +35,8 @@ def _pipeline_note(pipelined: dict) -> str:
     """The pipeline's efficiency and tau on hits / misses, for the title (empty without a pipelined run)."""
     if pipelined.get("pipeline_efficiency") is None:
         return ""
-    taus = " / ".join(f"{pipelined[k]:.2f}" if pipelined.get(k) is not None else "-" for k in ("tau_hits", "tau_misses"))
+    taus = " / ".join(f"{pipelined[k]:.2f}" if pipelined.get(k) is not None else "-"
+                      for k in ("tau_hits", "tau_misses"))
     return (f"\npipelined: {pipelined['pipeline_efficiency']:.0%} of the ideal gain "
             f"{pipelined['pipeline_gain_ideal']:.2f}x over sync | tau hit / miss {taus}")
 

@@ -17,6 +17,7 @@ MODE_FIELDS = {"tokens_per_s", "output_tokens", "wall_s", "rounds", "tau", "hit_
                "verified_drafts_mean", "passes_mean", "refreshes_mean", "strategy_rounds", "tau_hits", "tau_misses",
                "warmup_s"}
 PROBE_FIELDS = {"mismatches", "mismatches_near_tie", "mismatches_unexplained", "mismatch_details"}
+PIPELINE_FIELDS = {"pipeline_gain_ideal", "pipeline_efficiency"}  # pipelined, beside sync
 
 
 def test_bench_report(tmp_path):
@@ -41,8 +42,13 @@ def test_bench_report(tmp_path):
     assert "decoder 15 layers" in report["settings"]["calibration"]  # the shipped fit, loaded beside the adapter
     assert set(report["modes"]["ar"]) == MODE_FIELDS
     for mode in ("sync", "pipelined", "auto"):
-        assert set(report["modes"][mode]) == MODE_FIELDS | PROBE_FIELDS
+        extra = PIPELINE_FIELDS if mode == "pipelined" else set()
+        assert set(report["modes"][mode]) == MODE_FIELDS | PROBE_FIELDS | extra
         assert_lossless(report["modes"][mode], n_prompts=2)
+    pipelined, sync = report["modes"]["pipelined"], report["modes"]["sync"]
+    ideal = (sync["exposed_draft_ms_mean"] + sync["verify_ms_mean"]) / sync["verify_ms_mean"]
+    assert pipelined["pipeline_gain_ideal"] == pytest.approx(ideal)
+    assert pipelined["pipeline_efficiency"] == pytest.approx((report["ratios"]["pipelined_vs_sync"] - 1) / (ideal - 1))
     for mode in ("ar", "sync", "pipelined", "auto"):
         assert report["modes"][mode]["output_tokens"] > 0 and report["modes"][mode]["warmup_s"] > 0
         assert sum(report["modes"][mode]["strategy_rounds"].values()) == report["modes"][mode]["rounds"]
