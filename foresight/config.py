@@ -246,8 +246,8 @@ def parse_cores(text: str, name: str) -> tuple[int, ...]:
     """"0-3,8" -> (0, 1, 2, 3, 8): a Linux CPU list (as taskset and cpuset take them); "" -> ()."""
     cores: set[int] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
-        low, _, high = part.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()) or (high and int(high) < int(low)):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or (high and int(high) < int(low)):
             raise ConfigError(f"{name}: {part!r} is not a core or a range of cores (expected a list like 0-3,8)")
         cores.update(range(int(low), int(high or low) + 1))
     if text.strip() and not cores:

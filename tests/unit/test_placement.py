@@ -22,6 +22,7 @@ def test_core_lists_parse_like_taskset_takes_them():
     ({"target_cores": "0-1", "drafter_cores": "1-2"}, "overlap"),
     ({"target_cores": "a"}, "target_cores: 'a' is not a core"),
     ({"drafter_cores": "3-1"}, "drafter_cores: '3-1'"),
+    ({"drafter_cores": "1-"}, "drafter_cores: '1-'"),
     ({"drafter_cores": ","}, "drafter_cores: no core"),
     ({"target_cores": "0", "target_threads": 2}, "target_threads: 2 threads on 1 core"),
 ])
