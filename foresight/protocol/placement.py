@@ -1,6 +1,6 @@
 """Which CPU cores each process runs on (`--target-cores`, `--drafter-cores`).
 
-On a machine with many cores, two workers left to the scheduler (and their OpenMP thread pools) drift onto the same
+On a machine with many cores, two workers left to the scheduler (and their OpenMP thread pools) can land on the same
 cores, where busy-waiting thread pools slow each other far more than their share. Pinned, each worker's process and
 every thread it starts stay on its own cores, as each worker would on a GPU of its own; the api (tokenizing,
 streaming) runs on the cores left. A worker pins itself first thing, before torch creates its thread pool, whose
