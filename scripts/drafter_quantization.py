@@ -23,7 +23,7 @@ from foresight.models.gguf_weights import Q4Weight
 from foresight.models.int4_linear import Int4Linear
 from foresight.models.int8_linear import Int8Linear
 from foresight.models.loading import load_target, load_tokenizer, resolve_target
-from foresight.models.quantization import apply_quantization
+from foresight.models.quantization import apply_quantization, replace_modules
 from foresight.target_worker.runner import TargetRunner
 from foresight.target_worker.steps import eos_ids
 from foresight.training.eval_drafter import speculate
@@ -38,10 +38,7 @@ def quantize_draft_model(model: nn.Module, make) -> int:
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.bias is None
              and n.startswith("layers.") and m.in_features % 32 == 0]
     dtype = next(model.parameters()).dtype
-    for name in names:
-        parent, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, leaf, make(model.get_submodule(name).weight, dtype))
+    replace_modules(model, names, lambda name, linear: make(linear.weight, dtype))
     return len(names)
 
 

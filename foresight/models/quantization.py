@@ -19,6 +19,7 @@ import ctypes
 import gc
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,15 +70,11 @@ def quantize_model(model: nn.Module, choice: str, gguf: Path | None, owner: str)
     if choice == "int8":
         return quantize_int8(model, owner)
     start = time.perf_counter()
-    dtype = next(model.parameters()).dtype
     weights = read_q4_weights(gguf, model) if gguf is not None else {}
     source = f"the 4-bit weights of {gguf.name}" if weights else "weights quantized at load"
     weights = weights or quantize_decoder_linears(model)
-    for name, weight in weights.items():
-        parent, leaf = name.rsplit(".", 1)
-        module = model.get_submodule(name)
-        setattr(model.get_submodule(parent), leaf, Int4Linear(weight, module.bias, dtype))
-    release_freed_memory()
+    dtype = next(model.parameters()).dtype
+    replace_modules(model, list(weights), lambda name, linear: Int4Linear(weights[name], linear.bias, dtype))
     log.info("%s: %d linear layers served in int4 from %s (%.1f s)", owner, len(weights), source,
              time.perf_counter() - start)
     return len(weights)
@@ -87,15 +84,27 @@ def quantize_int8(model: nn.Module, owner: str) -> int:
     """Serve every linear of `model`'s decoder layers as an `Int8Linear`; the number replaced."""
     start = time.perf_counter()
     dtype = next(model.parameters()).dtype
-    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and ".layers." in name]
-    for name in names:
-        parent, leaf = name.rsplit(".", 1)
-        module = model.get_submodule(name)
-        setattr(model.get_submodule(parent), leaf, Int8Linear(module.weight, module.bias, dtype))
-    release_freed_memory()
+    names = list(decoder_linears(model))
+    replace_modules(model, names, lambda name, linear: Int8Linear(linear.weight, linear.bias, dtype))
     log.info("%s: %d linear layers served in int8, quantized at load (%.1f s)", owner, len(names),
              time.perf_counter() - start)
     return len(names)
+
+
+def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every `nn.Linear` inside the decoder layers (`model.model.layers`; embeddings and LM head stay), by name."""
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and ".layers." in name}
+
+
+def replace_modules(model: nn.Module, names: list[str], make: Callable[[str, nn.Module], nn.Module]) -> None:
+    """Replace each submodule of `model` named in `names` by `make(name, the submodule)`, one at a time (a dense
+    weight can go as soon as its replacement is in), then hand the memory they held back to the OS."""
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, leaf, make(name, getattr(owner, leaf)))
+    release_freed_memory()
 
 
 def release_freed_memory() -> None:
@@ -109,9 +118,6 @@ def release_freed_memory() -> None:
 
 
 def quantize_decoder_linears(model: nn.Module) -> dict[str, Q4Weight]:
-    """Q4_1 of every `nn.Linear` inside the decoder layers (`model.model.layers`; embeddings and LM head stay)."""
-    found = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and ".layers." in name and module.in_features % BLOCK == 0:
-            found[name] = Q4Weight.quantize(module.weight)
-    return found
+    """Q4_1 of every decoder linear (`decoder_linears`) whose inputs come in whole blocks."""
+    return {name: Q4Weight.quantize(linear.weight) for name, linear in decoder_linears(model).items()
+            if linear.in_features % BLOCK == 0}

@@ -8,7 +8,7 @@ uvicorn's own handling would close the listening socket at once (new clients ref
   server exits 0 without serving; one before the engine exists exits 0 at once (`EarlyStop`);
 - a second SIGINT (an impatient Ctrl-C) ends the drain now: what is in flight is aborted with an error
   event and `[DONE]`, then the server stops as after any drain (workers and socket folder gone);
-- a third SIGINT forces the exit; the socket folder is still removed (`remove_own_leftovers`).
+- a third SIGINT forces the exit; the socket folder is still removed (`protocol/leftovers.remove_own_folders`).
 """
 from __future__ import annotations
 
