@@ -176,7 +176,8 @@ class ServerConfig:
     # a sequence slot and its reservation both fit. None = no token budget (only max_num_seqs bounds it).
     max_kv_tokens: int | None = None
     max_waiting: int = 64  # requests waiting for admission; beyond this the api answers 429
-    startup_timeout_s: float = 600.0
+    # A worker's start: the first start of a compiled target compiles its graphs (~8.5 min measured on 2 cores)
+    startup_timeout_s: float = 900.0
     max_restarts: int = 5  # per worker within restart_window_s; past that the api exits non-zero
     restart_window_s: float = 600.0
     # A worker whose heartbeats stop this long (stopped, frozen, dead) is hung: killed and restarted. Its

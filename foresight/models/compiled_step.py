@@ -1,6 +1,6 @@
 """A target's decoding forwards compiled ahead of time with AOTInductor: a few new tokens of one request over
-its KV cache, as one C++ graph per token count, and one new token of each of several requests (a plain step under
-load) as graphs whose batch size stays symbolic.
+its KV cache, as one C++ graph per token count, and the new tokens of several requests (plain steps and verify
+blocks under load) as graphs whose batch size and token count stay symbolic.
 
 Eager, a 1-token step of the embedded default spends as long in Python and small ops (norms, rotary embedding,
 residuals, cache bookkeeping) as in its matrix products. `torch.export` traces the model's body once per token
@@ -13,10 +13,15 @@ its bucket is padded (the padding's keys land past what the cache keeps; its out
 The graph writes the new keys/values into the request's buffers in place (at the fed positions) and attends to
 their first W columns, so the buffers must already hold the request's past in columns [0, T) and have room for the
 bucket (target_worker/slot_kv.py). A batched graph does the same for each row of batched buffers
-(target_worker/batched_kv.py: row b holds request b's past). Its batch size B is symbolic over a range in which
-every linear layer takes one path: a quantized target's layers run their weight-only kernel up to a few rows
-(int4: 8, int8: 2) and a dense copy past them (models/weight_only.py), so each side of that line has a graph of its
-own.
+(target_worker/batched_kv.py: row b holds request b's past), every row padded to the widest row's tokens. Which
+path a quantized target's linear layers take depends on their rows (requests x tokens): the weight-only kernel up
+to a few rows (int4: 8, int8: 2), a dense copy past them (models/weight_only.py). So the batched graphs are two:
+one new token of each of 2 up to that many requests (the kernel), and the blocks' graph, 1 up to a block of tokens
+to each of 2 up to MAX_BATCH requests, traced with every linear on its dense copy and fed more rows than the kernel
+takes (narrow batches padded wider), as an eager forward of as many rows is. A dense target has the blocks' graph
+only. Rows padded to the widest block cost what real tokens cost, while the eager packed forward computes only the
+real ones (target_worker/packed_step.py): a batch padded past MAX_PADDING rows per real token (one long block among
+single tokens) runs eager.
 
 A graph returns the last decoder layer's output before the final norm (the runner's logit head takes it from there,
 fp32 included) and the hidden states the drafter reads.
@@ -46,7 +51,7 @@ import torch
 from torch import nn
 
 from .int4_linear import serves_int4
-from .weight_only import kernel_rows
+from .weight_only import dense_products, kernel_rows
 
 log = logging.getLogger("foresight.compiled_step")
 
@@ -58,30 +63,56 @@ STALE_DAYS = 14  # a package no start has loaded for this long is deleted (prune
 MAX_COLUMNS = 1 << 20  # the symbolic key columns / buffer capacity may be anything up to this
 EXAMPLE_PAST = 8  # positions in the KV buffers of the example inputs the trace runs on
 MAX_BATCH = 64  # requests a batched graph takes at most (a larger plain step runs eager)
+# The blocks' graph computes every row at the widest row's width; the eager packed forward computes only the real
+# tokens. Past this many computed rows per real token the eager forward is about as fast or faster: int4, bf16,
+# 2 threads, 2-16 requests (scripts/batch_step.py ... compiled 4|4,3|2,1|4,1|8,1 padded): the graph 1.14-1.49x eager
+# at 1.0-1.33 rows per token at every batch size, 0.96x at 16 requests of 1.6 and 0.83x of 1.78.
+MAX_PADDING = 1.5
 
 
 @dataclass(frozen=True, slots=True)
 class GraphShape:
-    """What one graph feeds: `tokens` new tokens to each of `rows[0]`..`rows[1]` requests (a range: symbolic)."""
+    """What one graph feeds: `tokens` new tokens (up to `tokens_to` where that is more: symbolic) to each of
+    `rows[0]`..`rows[1]` requests (a range: symbolic)."""
 
     tokens: int
     rows: tuple[int, int] = (1, 1)
+    tokens_to: int = 0
 
     @property
     def name(self) -> str:
         low, high = self.rows
-        return str(self.tokens) if high == 1 else f"{self.tokens}x{low}-{high}"
+        tokens = f"{self.tokens}-{self.tokens_to}" if self.blocks else str(self.tokens)
+        return tokens if high == 1 else f"{tokens}x{low}-{high}"
 
     @property
     def batched(self) -> bool:
-        """A graph of several requests (one token each)."""
+        """A graph of several requests."""
         return self.rows[0] > 1
 
     @property
+    def blocks(self) -> bool:
+        """A graph of a symbolic number of tokens per request (verify blocks of several requests)."""
+        return self.tokens_to > self.tokens
+
+    def takes(self, rows: int, tokens: int) -> bool:
+        """Whether this graph serves `tokens` new tokens (a row's padded width) to each of `rows` requests."""
+        return (self.rows[0] <= rows <= self.rows[1]
+                and (self.tokens <= tokens <= self.tokens_to if self.blocks else tokens == self.tokens))
+
+    @staticmethod
+    def example(low: int, high: int) -> int:
+        """The size a symbolic dimension over [low, high] is traced at (never 1: the tracer would take it for a
+        constant)."""
+        return min(high, max(low, 2) + 1) if low < high else low
+
+    @property
     def example_rows(self) -> int:
-        """The batch size the trace runs on (never 1 for a range: the tracer would take it for a constant)."""
-        low, high = self.rows
-        return min(high, low + 2) if low < high else low
+        return self.example(*self.rows)
+
+    @property
+    def example_tokens(self) -> int:
+        return self.example(self.tokens, self.tokens_to) if self.blocks else self.tokens
 
 
 class StepBody(nn.Module):
@@ -150,19 +181,25 @@ class BufferWrites:
 
 
 class CompiledStep:
-    """AOTInductor graphs of `model`'s body for forwards of up to max(buckets) new tokens of one request, and of one
-    new token of each of several requests (`batch_ranges`)."""
+    """AOTInductor graphs of `model`'s body for forwards of up to max(buckets) new tokens of one request, of one
+    new token of each of several requests (`batch_ranges`), and of up to `block_tokens` of each (the blocks')."""
 
     def __init__(self, model: nn.Module, layers: tuple[int, ...], buckets: tuple[int, ...], cache_dir: Path,
-                 autotune: bool, attention=None, threads: int = 1, batch_ranges: tuple[tuple[int, int], ...] = ()):
+                 autotune: bool, attention=None, threads: int = 1, batch_ranges: tuple[tuple[int, int], ...] = (),
+                 block_tokens: int = 0):
         """`layers`: the hidden_states indices each forward returns; `attention`: a context manager factory the
         trace runs inside (the attention implementation the eager forwards use); `threads`: the most intra-op
         threads a forward runs on (the graphs' work is split for that many; fewer at run time run the same split
-        on fewer threads); `batch_ranges`: the batch sizes of the 1-token batched graphs (`batch_ranges()`)."""
+        on fewer threads); `batch_ranges`: the batch sizes of the 1-token batched graphs (`batch_ranges()`);
+        `block_tokens`: the most tokens per request of the blocks' graph (1 to this many tokens to each of 2 to
+        MAX_BATCH requests: their verify blocks, and plain steps the 1-token graphs do not take; 0: none)."""
         self.model = model
         self.layers = tuple(layers)
         self.buckets = tuple(sorted(set(buckets)))
         self.batch_ranges = tuple(batch_ranges)
+        self.block_tokens = block_tokens
+        self.kernel_limit = kernel_rows(model) or 0  # rows up to which the quantized linears take their kernel
+        self.max_padding = MAX_PADDING
         self.cache_dir = cache_dir
         self.autotune = autotune
         self.attention = attention
@@ -173,15 +210,33 @@ class CompiledStep:
 
     @property
     def shapes(self) -> list[GraphShape]:
-        return [GraphShape(bucket) for bucket in self.buckets] + [GraphShape(1, rows) for rows in self.batch_ranges]
+        blocks = [GraphShape(1, (2, MAX_BATCH), self.block_tokens)] if self.block_tokens >= 1 else []
+        return ([GraphShape(bucket) for bucket in self.buckets] + [GraphShape(1, rows) for rows in self.batch_ranges]
+                + blocks)
 
     def bucket(self, tokens: int) -> int | None:
         """The graph a forward of `tokens` runs (None: more tokens than the largest bucket)."""
         return next((b for b in self.buckets if b >= tokens), None)
 
-    def batch_graph(self, rows: int) -> GraphShape | None:
-        """The built graph for one new token of each of `rows` requests (None: none takes that many)."""
-        return next((shape for shape in self.graphs if shape.batched and shape.rows[0] <= rows <= shape.rows[1]), None)
+    def block_width(self, rows: int, tokens: int) -> int:
+        """The width (tokens per request) a batch of `rows` requests feeding up to `tokens` each is padded to in
+        the blocks' graph: at least `tokens`, and enough that rows x width exceeds the quantized linears' kernel
+        limit, so the graph's dense products are the ones an eager forward of as many rows takes."""
+        return max(tokens, -(-(self.kernel_limit + 1) // rows))
+
+    def batch_graph(self, rows: int, tokens: int = 1, fed: int | None = None) -> tuple[GraphShape, int] | None:
+        """The built graph for up to `tokens` new tokens (the widest row's) of each of `rows` requests, `fed` of
+        them real (default: every row's `tokens`), and the width every row is padded to for it (None: no graph
+        takes them, or the blocks' graph would compute more than `max_padding` rows per real token). A 1-token
+        graph (the quantized kernel's rows) comes before the blocks' graph."""
+        fed = rows * tokens if fed is None else fed
+        for shape in self.graphs:
+            width = self.block_width(rows, tokens) if shape.blocks else tokens
+            if shape.blocks and rows * width > self.max_padding * max(fed, self.kernel_limit + 1):
+                continue
+            if shape.batched and shape.takes(rows, width):
+                return shape, width
+        return None
 
     def build(self) -> None:
         """Load each graph's package from the cache, compiling the missing ones. A batched graph that fails to
@@ -222,11 +277,15 @@ class CompiledStep:
         rows = {}
         if shape.rows[0] < shape.rows[1]:
             rows = {0: torch.export.Dim(f"rows_{name}", min=shape.rows[0], max=shape.rows[1])}
+        fed = {1: torch.export.Dim(f"tokens_{name}", min=shape.tokens, max=shape.tokens_to)} if shape.blocks else {}
         buffers = [{**rows, 2: capacity}] * len(example[3])
-        with self.attention(self.model.config) if self.attention is not None else nullcontext():
+        # A graph of symbolic rows x tokens multiplies by the quantized linears' dense copies (dense_products).
+        paths = dense_products() if shape.blocks else nullcontext()
+        with self.attention(self.model.config) if self.attention is not None else nullcontext(), paths:
             program = torch.export.export(StepBody(self.model, self.layers), example, strict=False,
-                                          dynamic_shapes=(rows or None, rows or None, {**rows, 3: columns},
-                                                          buffers, buffers))
+                                          dynamic_shapes=({**rows, **fed} or None, {**rows, **fed} or None,
+                                                          {**rows, 2: fed.get(1), 3: columns} if fed else
+                                                          {**rows, 3: columns}, buffers, buffers))
         options = {"freezing": True, "cpp.dynamic_threads": self.threads > 1}
         if self.autotune:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
@@ -242,7 +301,7 @@ class CompiledStep:
         heads = config.num_key_value_heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dtype = next(self.model.parameters()).dtype
-        rows, tokens = shape.example_rows, shape.tokens
+        rows, tokens = shape.example_rows, shape.example_tokens
         capacity = 4 * (EXAMPLE_PAST + tokens)
         keys = [torch.zeros(rows, heads, capacity, dim, dtype=dtype) for _ in range(config.num_hidden_layers)]
         values = [torch.zeros_like(k) for k in keys]
@@ -344,13 +403,11 @@ def step_buckets(block_size: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-def batch_ranges(model: nn.Module, most: int = MAX_BATCH) -> tuple[tuple[int, int], ...]:
-    """Batch sizes of the 1-token batched graphs: one range per path the linear layers take (a quantized
-    target's kernel up to its row limit, its dense copy past them)."""
+def batch_ranges(model: nn.Module) -> tuple[tuple[int, int], ...]:
+    """Batch sizes of the 1-token batched graphs: 2 up to a quantized target's kernel rows (past them, and for a
+    dense target, the blocks' graph takes plain steps too: its linears multiply by the dense copies)."""
     limit = kernel_rows(model)
-    if limit is None or limit < 2:
-        return ((2, most),)
-    return (2, limit), (limit + 1, most)
+    return ((2, limit),) if limit is not None and limit >= 2 else ()
 
 
 def compile_refusal(model: nn.Module, device: str) -> str | None:
@@ -385,15 +442,16 @@ def compiled_step_for(model: nn.Module, choice: str, device: str, layers: tuple[
     if not wants_compile(choice, model, device):
         return None
     step = CompiledStep(model, layers, step_buckets(block_size), cache_dir, autotune=serves_int4(model),
-                        attention=attention, threads=threads, batch_ranges=batch_ranges(model) if batched else ())
+                        attention=attention, threads=threads, batch_ranges=batch_ranges(model) if batched else (),
+                        block_tokens=block_size if batched else 0)
     try:
         step.build()
     except Exception as exc:  # noqa: BLE001 -- any compiler failure means eager, with the reason logged
         log.warning("%s: compiling the steps failed, running them eagerly: %s: %s", owner, type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "")
         return None
-    log.info("%s: steps of %s tokens and batched steps of %s requests compiled for up to %d threads (%.1f s "
-             "compiling, %d of %d loaded from %s)", owner, "/".join(map(str, step.buckets)),
-             ", ".join("-".join(map(str, shape.rows)) for shape in step.graphs if shape.batched) or "no",
+    log.info("%s: steps of %s tokens and batched steps (tokens x requests) of %s compiled for up to %d threads "
+             "(%.1f s compiling, %d of %d loaded from %s)", owner, "/".join(map(str, step.buckets)),
+             ", ".join(shape.name for shape in step.graphs if shape.batched) or "none",
              threads, step.compile_s, step.loaded, len(step.shapes), cache_dir)
     return step

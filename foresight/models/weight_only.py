@@ -10,6 +10,8 @@ the kernel does.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -21,6 +23,7 @@ class WeightOnlyLinear(nn.Module):
 
     max_rows = 0  # rows up to which the subclass's kernel is faster than the dense copy
     label = ""  # "int4", "int8": what the kernel serves
+    dense_only = False  # set by `dense_products` (while tracing a graph whose row count is symbolic)
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
@@ -42,7 +45,7 @@ class WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]"""
         rows = x.reshape(-1, self.in_features)  # [rows, in]
-        if rows.shape[0] > self.max_rows or rows.shape[0] == 0:
+        if WeightOnlyLinear.dense_only or rows.shape[0] > self.max_rows or rows.shape[0] == 0:
             return self.dense_forward(x)
         out = self.kernel(rows.contiguous())
         if self.bias is not None:
@@ -61,6 +64,18 @@ class WeightOnlyLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.label}"
+
+
+@contextmanager
+def dense_products():
+    """Every weight-only linear takes its dense copy within the block, whatever its rows: how a graph is traced
+    whose rows (requests x tokens) are symbolic, so that the tracer never decides the path by the rows. Its
+    callers feed such a graph more than `kernel_rows` rows, where the eager forward takes the same path."""
+    WeightOnlyLinear.dense_only = True
+    try:
+        yield
+    finally:
+        WeightOnlyLinear.dense_only = False
 
 
 def weight_only_layers(model: nn.Module) -> list[WeightOnlyLinear]:

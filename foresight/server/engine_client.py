@@ -103,7 +103,7 @@ class _Ticket:
 
 class EngineClient:
     def __init__(self, cfg: EngineConfig, max_num_seqs: int = 16, max_waiting: int = 64,
-                 startup_timeout_s: float = 600.0, max_restarts: int = 5, metrics=None, *,
+                 startup_timeout_s: float = 900.0, max_restarts: int = 5, metrics=None, *,
                  restart_window_s: float = 600.0, heartbeat_timeout_s: float = 5.0, stall_timeout_s: float = 300.0,
                  max_kv_tokens: int | None = None):
         self.cfg = cfg

@@ -79,7 +79,7 @@ class Hooks:
 class Supervisor:
     cfg: EngineConfig
     addrs: WorkerAddresses
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = 900.0
     max_restarts: int = 5
     restart_window_s: float = 600.0
     heartbeat_timeout_s: float = 5.0

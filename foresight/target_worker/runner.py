@@ -44,7 +44,7 @@ class TargetRunner:
         self.model = model
         self.compiled = compiled
         self.eager_forwards = 0  # with `compiled`: single-request forwards of more tokens than its buckets
-        self.eager_batches = 0  # with `compiled`: batched forwards no batched graph takes (blocks, a prompt chunk)
+        self.eager_batches = 0  # with `compiled`: batched forwards no batched graph takes (a prompt chunk, wider blocks)
         self.config = model.config
         self.device = next(model.parameters()).device
         self.layout = layout or HiddenLayout()
@@ -62,9 +62,10 @@ class TargetRunner:
         """What runs compiled (for the bench's report): the token buckets, seconds spent compiling at start-up and
         packages loaded from the cache, and the most threads a graph's work is split for."""
         if self.compiled is None:
-            return {"buckets": [], "batch_ranges": [], "compile_s": 0.0, "loaded": 0, "threads": 0}
+            return {"buckets": [], "batch_ranges": [], "block_tokens": 0, "compile_s": 0.0, "loaded": 0, "threads": 0}
         return {"buckets": list(self.compiled.buckets),
                 "batch_ranges": [list(shape.rows) for shape in self.compiled.graphs if shape.batched],
+                "block_tokens": self.compiled.block_tokens if any(s.blocks for s in self.compiled.graphs) else 0,
                 "compile_s": round(self.compiled.compile_s, 1), "loaded": self.compiled.loaded,
                 "threads": self.compiled.threads}
 
@@ -188,9 +189,10 @@ class TargetRunner:
         gives, up to float rounding; the chunk's result comes last, with its last position's logits (what
         `prefill` gives). A forward that raises leaves every cache as it was."""
         if self.compiled is not None and chunk is None:
-            shape = self.compiled.batch_graph(len(blocks)) if all(len(block) == 1 for block in blocks) else None
-            if shape is not None:
-                return self._verify_batch_compiled(caches, blocks, shape)
+            graph = self.compiled.batch_graph(len(blocks), max(len(block) for block in blocks),
+                                              sum(len(block) for block in blocks))
+            if graph is not None:
+                return self._verify_batch_compiled(caches, blocks, *graph)
         if self.compiled is not None:
             self.eager_batches += 1
         rows = caches + ([chunk[0]] if chunk else [])
@@ -224,25 +226,31 @@ class TargetRunner:
             hidden = [states[o:o + n] for o, n in zip(step.offsets, lengths)]
         return [ForwardResult(logits=lg, hidden=h, head_input=hi) for lg, h, hi in zip(logits, hidden, head_inputs)]
 
-    def _verify_batch_compiled(self, caches: list[DynamicCache], blocks: list[list[int]], shape) -> list[ForwardResult]:
-        """`verify_batch` of one token per request (a plain step under load) through the batched graph `shape`,
-        over `BatchedKV`'s rows (laid out again only when the batch changes)."""
-        batch = BatchedKV(caches, [1] * len(caches), 1, list(range(len(caches))), self.last_batch)
+    def _verify_batch_compiled(self, caches: list[DynamicCache], blocks: list[list[int]], shape,
+                               width: int) -> list[ForwardResult]:
+        """`verify_batch` of several requests' blocks through the batched graph `shape` (one token each: a plain
+        step under load; more: their verify blocks), each row padded with its last token to `width`, over
+        `BatchedKV`'s rows (laid out again only when the batch changes)."""
+        lengths = [len(block) for block in blocks]
+        batch = BatchedKV(caches, lengths, width, list(range(len(caches))), self.last_batch)
         self.last_batch = None
         buffers = batch.buffers()  # (keys, values) [B, kv_heads, capacity, head_dim] per layer
-        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)  # [B, 1]
+        ids = torch.tensor([block + block[-1:] * (width - len(block)) for block in blocks], dtype=torch.long,
+                           device=self.device)  # [B, width]
         last, states = self.compiled.run_shape(shape, ids, batch.position_ids(self.device),
                                                batch.attention_mask(self.device), [keys for keys, _ in buffers],
-                                               [values for _, values in buffers])  # [B, 1, hidden], [B, 1, width]
+                                               [values for _, values in buffers])  # [B, width, hidden], [.., width']
         batch.hold()  # only now: a graph that raises leaves every request's layers as they were
         self.last_batch = batch
-        # The rows as positions of one sequence: the fp32 head's hook captures the norm's input [1, B, hidden].
-        normed = self.model.model.norm(last.transpose(0, 1))[0]  # [B, hidden]
+        real = (torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], device=self.device),
+                torch.tensor([i for n in lengths for i in range(n)], device=self.device))  # each row's fed positions
+        # The real positions as one sequence: the fp32 head's hook captures the norm's input [1, N, hidden].
+        normed = self.model.model.norm(last[real][None])[0]  # [N, hidden]
         logits, head_input = self._logits_at(normed, None)
-        head_inputs = head_input.split(1) if head_input is not None else [None] * len(caches)
-        hidden = states.unbind(0) if self.layout.layers else [None] * len(caches)  # [1, width] each
+        head_inputs = head_input.split(lengths) if head_input is not None else [None] * len(caches)
+        hidden = states[real].split(lengths) if self.layout.layers else [None] * len(caches)  # [n_b, width'] each
         return [ForwardResult(logits=lg, hidden=h, head_input=hi)
-                for lg, h, hi in zip(logits.split(1), hidden, head_inputs)]
+                for lg, h, hi in zip(logits.split(lengths), hidden, head_inputs)]
 
     def _logits_at(self, normed: torch.Tensor, select) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[N, vocab] float32 logits from final-norm outputs `normed` [N, hidden] (of a batched forward, or the

@@ -56,4 +56,9 @@ def folded_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         if length > 1 and groups > 1:
             mask = mask.repeat(1, 1, groups, 1)  # [B or 1, 1, G * Lq, L]: row g * Lq + i is query i's
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # [B, kv_heads, G*Lq, D]
-    return out.view(batch, heads, length, dim).transpose(1, 2).contiguous(), None
+    if isinstance(length, int):  # eager, and graphs of a fixed query length
+        return out.view(batch, heads, length, dim).transpose(1, 2).contiguous(), None
+    # A graph traced with a symbolic query length cannot prove SDPA's output may be viewed as a whole: rows back to
+    # heads by parts, [B, G * Lq, kv_heads, D] -> [B, G, Lq, kv_heads, D] -> [B, Lq, heads, D]
+    out = out.transpose(1, 2).unflatten(1, (groups, length)).permute(0, 2, 3, 1, 4)
+    return out.reshape(batch, length, heads, dim), None

@@ -2,17 +2,18 @@
 tiny Llama and Qwen3 models in fp32: logits and states of every block length with rollbacks of every length, batched steps in
 between (compiled for one token per request, eager otherwise), greedy decoding in every mode, shapes beyond the buckets,
 the package cache and a failing compiler. Compiling costs ~10 s a graph here, so one build per model (buckets 1 and 4,
-batches of 2-3 requests) serves every test; targets with sliding-window or linear-attention layers are refused
+batches of 2-3 requests, blocks of 2-4 tokens of 2-64 requests) serves every test; targets with sliding-window or linear-attention layers are refused
 (test_what_compile_choices_mean)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 
 from foresight.config import ConfigError, EngineConfig
-from foresight.models.compiled_step import (MAX_BATCH, CompiledStep, GraphShape, batch_ranges, compiled_step_for,
+from foresight.models.compiled_step import (MAX_BATCH, MAX_PADDING, CompiledStep, GraphShape, batch_ranges, compiled_step_for,
                                             step_buckets, wants_compile)
 from foresight.protocol.messages import HiddenLayout
 from foresight.target_worker.packed_step import packed_attention
@@ -43,7 +44,7 @@ def cache_dir(tmp_path_factory):
 def compiled(model, cache_dir):
     """Graphs split for two threads (a target that borrows the drafter's core), run at one unless a test says."""
     step = CompiledStep(model, LAYERS, (1, 4), cache_dir, autotune=False, attention=packed_attention, threads=2,
-                        batch_ranges=BATCHES)
+                        batch_ranges=BATCHES, block_tokens=4)
     step.build()
     return step
 
@@ -54,7 +55,7 @@ def layout(model) -> HiddenLayout:
 
 def test_compiled_forwards_equal_eager_ones_through_rollbacks_and_batched_steps(model, compiled):
     """Blocks of 1..4 tokens (2 and 3 padded to the 4-token graph), each rolled back by a random number of
-    positions, two requests, a batched (eager) step every few rounds: logits, states and the caches stay the
+    positions, two requests, a batched step of their blocks every few rounds: logits, states and the caches stay the
     eager forwards', and end as a full forward over the kept tokens."""
     eager, fast = TargetRunner(model, layout(model)), TargetRunner(model, layout(model), compiled=compiled)
     prompts = [PROMPT, PROMPT[3:] + [17, 18]]
@@ -66,10 +67,12 @@ def test_compiled_forwards_equal_eager_ones_through_rollbacks_and_batched_steps(
         eager.prefill(a, prompt)
         fast.prefill(b, prompt)
     gen = torch.Generator().manual_seed(0)
-    rejected_counts = set()
+    rejected_counts, padded_too_far = set(), 0
     for step in range(24):
         blocks = [torch.randint(1, 90, (1 + (step + row) % 4,), generator=gen).tolist() for row in range(2)]
         if step % 5 == 4:
+            lengths = [len(block) for block in blocks]
+            padded_too_far += 2 * max(lengths) > MAX_PADDING * sum(lengths)  # those run eager
             want = eager.verify_batch(plain, blocks)
             got = fast.verify_batch(slots, blocks)
         else:
@@ -84,8 +87,7 @@ def test_compiled_forwards_equal_eager_ones_through_rollbacks_and_batched_steps(
             fast.rollback(slots[row], rejected, g)
             kept[row] += block[:len(block) - rejected]
             assert slots[row].get_seq_length() == plain[row].get_seq_length() == len(kept[row])
-    assert rejected_counts == {0, 1, 2, 3} and fast.eager_forwards == 0
-    assert fast.eager_batches == 24 // 5  # blocks of several tokens: no batched graph takes them
+    assert rejected_counts == {0, 1, 2, 3} and fast.eager_forwards == 0 and fast.eager_batches == padded_too_far
     for cache, tokens in zip(slots, kept):
         with torch.inference_mode():
             full = model(torch.tensor([tokens + [3]])).logits[0, -1]
@@ -134,21 +136,99 @@ def test_plain_steps_of_several_requests_run_the_batched_graph(model, compiled):
         torch.testing.assert_close(fast.verify(cache, 3, []).logits[0], full, atol=1e-4, rtol=1e-4)
 
 
+def test_verify_blocks_of_several_requests_run_the_blocks_graph(model, compiled, monkeypatch):
+    """Blocks of 1-4 tokens of two or three requests in one step (rows padded to the widest however far, the batch
+    laid out anew when it changes), each rolled back by a random number of positions, with single-request steps in
+    between: logits, states and caches stay the eager packed forwards', and end as a full forward over the kept
+    tokens."""
+    monkeypatch.setattr(compiled, "max_padding", float("inf"))
+    eager, fast = TargetRunner(model, layout(model)), TargetRunner(model, layout(model), compiled=compiled)
+    prompts = [PROMPT, PROMPT[3:] + [17, 18], PROMPT[:7]]
+    plain = [eager.new_cache() for _ in prompts]
+    slots = [fast.new_cache() for _ in prompts]
+    kept = [list(p) for p in prompts]
+    for prompt, a, b in zip(prompts, plain, slots):
+        eager.prefill(a, prompt)
+        fast.prefill(b, prompt)
+    gen = torch.Generator().manual_seed(2)
+    rejected_counts, widths = set(), set()
+    for step in range(16):
+        rows = [0, 1, 2] if step % 3 else [step % 3, 2]
+        widest = 2 + step % 3  # the first row's block; the others' of 1..widest tokens
+        lengths = [widest] + torch.randint(1, widest + 1, (len(rows) - 1,), generator=gen).tolist()
+        blocks = [torch.randint(1, 90, (n,), generator=gen).tolist() for n in lengths]
+        if step % 4 == 3:  # one request alone between batched steps
+            rows, blocks = rows[:1], blocks[:1]
+            want = [eager.verify(plain[rows[0]], blocks[0][0], blocks[0][1:])]
+            got = [fast.verify(slots[rows[0]], blocks[0][0], blocks[0][1:])]
+        else:
+            want = eager.verify_batch([plain[r] for r in rows], blocks)
+            got = fast.verify_batch([slots[r] for r in rows], blocks)
+            widths.add(max(len(block) for block in blocks))
+        for r, block, w, g in zip(rows, blocks, want, got):
+            torch.testing.assert_close(g.logits, w.logits, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(g.hidden, w.hidden, atol=1e-5, rtol=1e-5)
+            rejected = int(torch.randint(0, len(block), (1,), generator=gen))
+            rejected_counts.add(rejected)
+            eager.rollback(plain[r], rejected, w)
+            fast.rollback(slots[r], rejected, g)
+            kept[r] += block[:len(block) - rejected]
+            assert slots[r].get_seq_length() == plain[r].get_seq_length() == len(kept[r])
+    assert widths >= {2, 3, 4} and rejected_counts == {0, 1, 2, 3}
+    assert fast.eager_batches == 0 and fast.eager_forwards == 0
+    for cache, tokens in zip(slots, kept):
+        with torch.inference_mode():
+            full = model(torch.tensor([tokens + [3]])).logits[0, -1]
+        torch.testing.assert_close(fast.verify(cache, 3, []).logits[0], full, atol=1e-4, rtol=1e-4)
+
+
 def test_batches_no_batched_graph_takes_run_eager_and_are_counted(model, compiled):
-    """More requests than the graph's range, and blocks of several tokens, run the eager packed forward."""
+    """Blocks longer than the blocks' graph takes run the eager packed forward; plain steps of more requests than
+    the 1-token graph's range run the blocks' graph."""
     eager, fast = TargetRunner(model), TargetRunner(model, compiled=compiled)
     plain = [eager.new_cache() for _ in range(4)]
     slots = [fast.new_cache() for _ in range(4)]
     for i, (a, b) in enumerate(zip(plain, slots)):
         eager.prefill(a, PROMPT[i:])
         fast.prefill(b, PROMPT[i:])
-    for blocks in ([[3], [4], [5], [6]], [[3, 4], [5]]):
+    for blocks in ([[3], [4], [5], [6]], [[3, 4, 5, 6, 7], [5]], [[3, 4], [5, 6]]):
         want = eager.verify_batch(plain[:len(blocks)], blocks)
         got = fast.verify_batch(slots[:len(blocks)], blocks)
         for w, g in zip(want, got):
             torch.testing.assert_close(g.logits, w.logits, atol=1e-5, rtol=1e-5)
-    assert fast.eager_batches == 2
-    assert compiled.batch_graph(3) == GraphShape(1, (2, 3)) and compiled.batch_graph(4) is None
+    assert fast.eager_batches == 1
+    blocks = GraphShape(1, (2, MAX_BATCH), 4)
+    assert compiled.batch_graph(3) == (GraphShape(1, (2, 3)), 1) and compiled.batch_graph(4) == (blocks, 1)
+    assert compiled.batch_graph(4, 3) == (blocks, 3) and compiled.batch_graph(2, 5) is None
+
+
+def test_blocks_are_padded_past_the_quantized_kernels_rows(model, compiled):
+    """A quantized target's blocks' graph multiplies by the dense copies: rows x width is padded past the kernel's
+    row limit (where an eager forward takes the dense copy too); a dense target's rows are not padded."""
+    assert [compiled.block_width(rows, 2) for rows in (2, 3, 5, 9)] == [2, 2, 2, 2]
+    quantized = CompiledStep(model, (), (1,), Path("unused"), autotune=False, block_tokens=8)
+    quantized.kernel_limit = 8  # as an int4 target's
+    assert [quantized.block_width(rows, 2) for rows in (2, 3, 4, 5, 9)] == [5, 3, 3, 2, 2]
+    assert quantized.block_width(2, 7) == 7
+
+
+def test_blocks_padded_past_the_limit_run_the_eager_packed_forward(model, compiled):
+    """Rows padded to the widest block cost the graph what they would cost real tokens: a batch whose padding makes
+    more than MAX_PADDING computed rows per real token runs eager (it computes only the real tokens)."""
+    blocks = GraphShape(1, (2, MAX_BATCH), 4)
+    assert compiled.batch_graph(3, 4, fed=3 * 4) == (blocks, 4)
+    assert compiled.batch_graph(3, 4, fed=10) == (blocks, 4)  # 12 rows for 10 tokens
+    assert compiled.batch_graph(3, 4, fed=6) is None  # 12 rows for 6 tokens
+    eager, fast = TargetRunner(model), TargetRunner(model, compiled=compiled)
+    plain, slots = [eager.new_cache() for _ in range(3)], [fast.new_cache() for _ in range(3)]
+    for i, (a, b) in enumerate(zip(plain, slots)):
+        eager.prefill(a, PROMPT[i:])
+        fast.prefill(b, PROMPT[i:])
+    for blocks in ([[3, 4, 5, 6], [7], [8]], [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12]]):
+        want, got = eager.verify_batch(plain, blocks), fast.verify_batch(slots, blocks)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g.logits, w.logits, atol=1e-5, rtol=1e-5)
+    assert fast.eager_batches == 1
 
 
 def test_a_batched_graph_that_fails_to_compile_leaves_those_steps_eager(model, tmp_path, monkeypatch, caplog):
@@ -160,10 +240,11 @@ def test_a_batched_graph_that_fails_to_compile_leaves_those_steps_eager(model, t
         return real(self, shape, path)
 
     monkeypatch.setattr(CompiledStep, "compile", fails_batched)
-    step = CompiledStep(model, (), (1,), tmp_path, autotune=False, attention=packed_attention, batch_ranges=BATCHES)
+    step = CompiledStep(model, (), (1,), tmp_path, autotune=False, attention=packed_attention, batch_ranges=BATCHES,
+                        block_tokens=2)
     with caplog.at_level(logging.WARNING, logger="foresight.compiled_step"):
         step.build()
-    assert list(step.graphs) == [GraphShape(1)] and step.batch_graph(2) is None
+    assert list(step.graphs) == [GraphShape(1)] and step.batch_graph(2) is None and step.batch_graph(2, 2) is None
     assert "injected batched compile failure" in caplog.text
 
 
@@ -239,7 +320,7 @@ def test_a_failing_compiler_leaves_the_steps_eager(model, tmp_path, monkeypatch,
 
 def test_what_compile_choices_mean(model):
     assert step_buckets(8) == (1, 2, 4, 8) and step_buckets(6) == (1, 2, 4, 6) and step_buckets(2) == (1, 2)
-    assert batch_ranges(model) == ((2, MAX_BATCH),)  # dense linears: one path at every batch size
+    assert batch_ranges(model) == ()  # dense linears: the blocks' graph takes plain steps of several requests
     assert not wants_compile("off", model, "cpu")
     assert wants_compile("on", model, "cpu")
     assert not wants_compile("auto", model, "cpu")  # dense: not measured faster

@@ -55,10 +55,10 @@ def test_int8_is_chosen_only_when_asked_and_only_on_a_cpu():
 
 def test_an_int8_target_splits_its_batched_graphs_at_the_kernels_row_limit():
     model = tiny_model("llama")
-    assert kernel_rows(model) is None and batch_ranges(model) == ((2, 64),)
+    assert kernel_rows(model) is None and batch_ranges(model) == ()
     assert quantize_model(model, "int8", None, "test") == 21
     assert kernel_rows(model) == INT8_MAX_ROWS
-    assert batch_ranges(model) == ((2, INT8_MAX_ROWS), (INT8_MAX_ROWS + 1, 64))
+    assert batch_ranges(model) == ((2, INT8_MAX_ROWS),)  # more rows: the blocks' graph (its dense copies)
 
 
 def test_every_greedy_mode_equals_plain_greedy_on_the_int8_target():
@@ -109,3 +109,29 @@ def test_compiled_steps_of_an_int8_target_equal_its_eager_steps(tmp_path):
         eager.rollback(plain, rejected, want)
         fast.rollback(slots, rejected, got)
     assert fast.eager_forwards == 1  # the 3-token block: no graph of that size
+
+
+def test_the_blocks_graph_of_an_int8_target_multiplies_by_the_dense_copy(tmp_path):
+    """The graph for verify blocks of several requests (rows x tokens symbolic) is traced with every linear on its
+    dense copy, and fed more rows than the kernel takes, as the eager packed forward of those blocks is: the same
+    logits."""
+    from foresight.models.compiled_step import CompiledStep
+    from foresight.target_worker.packed_step import packed_attention
+    from foresight.target_worker.runner import TargetRunner
+
+    model = tiny_model("llama", varied=True)
+    quantize_model(model, "int8", None, "test")
+    compiled = CompiledStep(model, (), (1,), tmp_path, autotune=False, attention=packed_attention, block_tokens=3)
+    compiled.build()
+    assert compiled.block_width(2, 2) * 2 > INT8_MAX_ROWS
+    eager, fast = TargetRunner(model), TargetRunner(model, compiled=compiled)
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [9, 40, 41, 42, 3]]
+    plain, slots = [eager.new_cache() for _ in prompts], [fast.new_cache() for _ in prompts]
+    for prompt, a, b in zip(prompts, plain, slots):
+        eager.prefill(a, prompt)
+        fast.prefill(b, prompt)
+    for blocks in ([[3, 11], [12, 13]], [[14, 15, 16], [17, 18, 19]]):
+        want, got = eager.verify_batch(plain, blocks), fast.verify_batch(slots, blocks)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g.logits, w.logits, atol=1e-4, rtol=1e-4)
+    assert fast.eager_batches == 0
