@@ -10,8 +10,8 @@ request through `TargetRunner.verify_batch`, as the target worker's plain steps 
 (B = 1: `verify`), and crops them again; `tokens` may list lengths that requests take in turn ("8,1": one request's
 8-token block beside another's single token). Compiled: the graphs the server builds for the embedded default (the
 same packages: one request's 1-8 tokens, the 1-token graph of the quantized kernel's rows and the blocks' graph of
-up to 8 tokens per request, returning the states its drafter reads); `padded` sends every batch to the blocks' graph however far its rows are padded (else a batch padded past
-MAX_PADDING runs eager, as in the server).
+up to 8 tokens per request, returning the states its drafter reads); `padded` sends every batch to the blocks'
+graph however far its rows are padded (else a batch padded past MAX_PADDING runs eager, as in the server).
 Throughput at B requests over one request's is B x (one-request step) / (B-request step): what `ar` at B
 clients could reach if nothing but the forward cost time (no prefills, sampling, messages or HTTP).
 """

@@ -44,7 +44,7 @@ class TargetRunner:
         self.model = model
         self.compiled = compiled
         self.eager_forwards = 0  # with `compiled`: single-request forwards of more tokens than its buckets
-        self.eager_batches = 0  # with `compiled`: batched forwards no batched graph takes (a prompt chunk, wider blocks)
+        self.eager_batches = 0  # with `compiled`: batched forwards run eager (a prompt chunk, too wide or padded)
         self.config = model.config
         self.device = next(model.parameters()).device
         self.layout = layout or HiddenLayout()

@@ -1,8 +1,9 @@
 """Compiled steps (models/compiled_step.py, target_worker/slot_kv.py) against the eager forwards they replace, on
-tiny Llama and Qwen3 models in fp32: logits and states of every block length with rollbacks of every length, batched steps in
-between (compiled for one token per request, eager otherwise), greedy decoding in every mode, shapes beyond the buckets,
-the package cache and a failing compiler. Compiling costs ~10 s a graph here, so one build per model (buckets 1 and 4,
-batches of 2-3 requests, blocks of 2-4 tokens of 2-64 requests) serves every test; targets with sliding-window or linear-attention layers are refused
+tiny Llama and Qwen3 models in fp32: logits and states of every block length with rollbacks of every length,
+batched steps in between (plain steps and verify blocks of several requests, compiled; wider or padded too far,
+eager), greedy decoding in every mode, shapes beyond the buckets, the package cache and a failing compiler.
+Compiling costs ~10 s a graph here, so one build per model (buckets 1 and 4, plain steps of 2-3 requests, blocks of
+1-4 tokens of 2-64 requests) serves every test; targets with sliding-window or linear-attention layers are refused
 (test_what_compile_choices_mean)."""
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from foresight.config import ConfigError, EngineConfig
-from foresight.models.compiled_step import (MAX_BATCH, MAX_PADDING, CompiledStep, GraphShape, batch_ranges, compiled_step_for,
-                                            step_buckets, wants_compile)
+from foresight.models.compiled_step import (MAX_BATCH, MAX_PADDING, CompiledStep, GraphShape, batch_ranges,
+                                            compiled_step_for, step_buckets, wants_compile)
 from foresight.protocol.messages import HiddenLayout
 from foresight.target_worker.packed_step import packed_attention
 from foresight.target_worker.runner import TargetRunner
@@ -53,19 +54,50 @@ def layout(model) -> HiddenLayout:
     return HiddenLayout(LAYERS, model.config.hidden_size)
 
 
+def prefilled(model, compiled, prompts):
+    """An eager and a compiled runner, each with a cache per prompt, prefilled -> (eager, fast, plain caches,
+    compiled caches, the tokens each cache holds)."""
+    eager, fast = TargetRunner(model, layout(model)), TargetRunner(model, layout(model), compiled=compiled)
+    plain = [eager.new_cache() for _ in prompts]
+    slots = [fast.new_cache() for _ in prompts]
+    for prompt, a, b in zip(prompts, plain, slots):
+        eager.prefill(a, prompt)
+        fast.prefill(b, prompt)
+    return eager, fast, plain, slots, [list(p) for p in prompts]
+
+
+def assert_hold_as_a_full_forward(model, fast, slots, kept):
+    """Each compiled cache holds exactly its kept tokens: the next step's logits are a full forward's over them."""
+    for cache, tokens in zip(slots, kept):
+        assert cache.get_seq_length() == len(tokens)
+        with torch.inference_mode():
+            full = model(torch.tensor([tokens + [3]])).logits[0, -1]
+        torch.testing.assert_close(fast.verify(cache, 3, []).logits[0], full, atol=1e-4, rtol=1e-4)
+
+
+def check_and_roll_back(runners, caches, rows, blocks, want, got, kept, gen) -> set[int]:
+    """Compiled results equal eager ones; each row then rolls back a random number of its positions in both runners'
+    caches (`kept`: the tokens each holds) -> the numbers of positions rolled back."""
+    (eager, fast), (plain, slots) = runners, caches
+    rolled = set()
+    for r, block, w, g in zip(rows, blocks, want, got):
+        torch.testing.assert_close(g.logits, w.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g.hidden, w.hidden, atol=1e-5, rtol=1e-5)
+        rejected = int(torch.randint(0, len(block), (1,), generator=gen))
+        rolled.add(rejected)
+        eager.rollback(plain[r], rejected, w)
+        fast.rollback(slots[r], rejected, g)
+        kept[r] += block[:len(block) - rejected]
+        assert slots[r].get_seq_length() == plain[r].get_seq_length() == len(kept[r])
+    return rolled
+
+
 def test_compiled_forwards_equal_eager_ones_through_rollbacks_and_batched_steps(model, compiled):
     """Blocks of 1..4 tokens (2 and 3 padded to the 4-token graph), each rolled back by a random number of
     positions, two requests, a batched step of their blocks every few rounds: logits, states and the caches stay the
     eager forwards', and end as a full forward over the kept tokens."""
-    eager, fast = TargetRunner(model, layout(model)), TargetRunner(model, layout(model), compiled=compiled)
-    prompts = [PROMPT, PROMPT[3:] + [17, 18]]
-    plain = [eager.new_cache() for _ in prompts]
-    slots = [fast.new_cache() for _ in prompts]
+    eager, fast, plain, slots, kept = prefilled(model, compiled, [PROMPT, PROMPT[3:] + [17, 18]])
     assert all(isinstance(layer, SlotLayer) for layer in slots[0].layers)
-    kept = [list(p) for p in prompts]
-    for prompt, a, b in zip(prompts, plain, slots):
-        eager.prefill(a, prompt)
-        fast.prefill(b, prompt)
     gen = torch.Generator().manual_seed(0)
     rejected_counts, padded_too_far = set(), 0
     for step in range(24):
@@ -78,34 +110,16 @@ def test_compiled_forwards_equal_eager_ones_through_rollbacks_and_batched_steps(
         else:
             want = [eager.verify(c, blk[0], blk[1:]) for c, blk in zip(plain, blocks)]
             got = [fast.verify(c, blk[0], blk[1:]) for c, blk in zip(slots, blocks)]
-        for row, (block, w, g) in enumerate(zip(blocks, want, got)):
-            torch.testing.assert_close(g.logits, w.logits, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(g.hidden, w.hidden, atol=1e-5, rtol=1e-5)
-            rejected = int(torch.randint(0, len(block), (1,), generator=gen))
-            rejected_counts.add(rejected)
-            eager.rollback(plain[row], rejected, w)
-            fast.rollback(slots[row], rejected, g)
-            kept[row] += block[:len(block) - rejected]
-            assert slots[row].get_seq_length() == plain[row].get_seq_length() == len(kept[row])
+        rejected_counts |= check_and_roll_back((eager, fast), (plain, slots), range(2), blocks, want, got, kept, gen)
     assert rejected_counts == {0, 1, 2, 3} and fast.eager_forwards == 0 and fast.eager_batches == padded_too_far
-    for cache, tokens in zip(slots, kept):
-        with torch.inference_mode():
-            full = model(torch.tensor([tokens + [3]])).logits[0, -1]
-        torch.testing.assert_close(fast.verify(cache, 3, []).logits[0], full, atol=1e-4, rtol=1e-4)
+    assert_hold_as_a_full_forward(model, fast, slots, kept)
 
 
 def test_plain_steps_of_several_requests_run_the_batched_graph(model, compiled):
     """One token per request for two or three requests (the batch laid out anew when it changes, reused while it
     stays), single-request steps with rollbacks in between (each request's layers move back to buffers of their
     own): logits, states and caches stay the eager forwards', and end as a full forward over the kept tokens."""
-    eager, fast = TargetRunner(model, layout(model)), TargetRunner(model, layout(model), compiled=compiled)
-    prompts = [PROMPT, PROMPT[3:] + [17, 18], PROMPT[:7]]
-    plain = [eager.new_cache() for _ in prompts]
-    slots = [fast.new_cache() for _ in prompts]
-    kept = [list(p) for p in prompts]
-    for prompt, a, b in zip(prompts, plain, slots):
-        eager.prefill(a, prompt)
-        fast.prefill(b, prompt)
+    eager, fast, plain, slots, kept = prefilled(model, compiled, [PROMPT, PROMPT[3:] + [17, 18], PROMPT[:7]])
     gen = torch.Generator().manual_seed(1)
     reused = []
     for step in range(14):
@@ -129,11 +143,7 @@ def test_plain_steps_of_several_requests_run_the_batched_graph(model, compiled):
             kept[r] += block
     assert fast.eager_batches == 0 and fast.eager_forwards == 0
     assert any(reused) and not all(reused)
-    for cache, tokens in zip(slots, kept):
-        assert cache.get_seq_length() == len(tokens)
-        with torch.inference_mode():
-            full = model(torch.tensor([tokens + [3]])).logits[0, -1]
-        torch.testing.assert_close(fast.verify(cache, 3, []).logits[0], full, atol=1e-4, rtol=1e-4)
+    assert_hold_as_a_full_forward(model, fast, slots, kept)
 
 
 def test_verify_blocks_of_several_requests_run_the_blocks_graph(model, compiled, monkeypatch):
@@ -142,14 +152,7 @@ def test_verify_blocks_of_several_requests_run_the_blocks_graph(model, compiled,
     between: logits, states and caches stay the eager packed forwards', and end as a full forward over the kept
     tokens."""
     monkeypatch.setattr(compiled, "max_padding", float("inf"))
-    eager, fast = TargetRunner(model, layout(model)), TargetRunner(model, layout(model), compiled=compiled)
-    prompts = [PROMPT, PROMPT[3:] + [17, 18], PROMPT[:7]]
-    plain = [eager.new_cache() for _ in prompts]
-    slots = [fast.new_cache() for _ in prompts]
-    kept = [list(p) for p in prompts]
-    for prompt, a, b in zip(prompts, plain, slots):
-        eager.prefill(a, prompt)
-        fast.prefill(b, prompt)
+    eager, fast, plain, slots, kept = prefilled(model, compiled, [PROMPT, PROMPT[3:] + [17, 18], PROMPT[:7]])
     gen = torch.Generator().manual_seed(2)
     rejected_counts, widths = set(), set()
     for step in range(16):
@@ -165,21 +168,10 @@ def test_verify_blocks_of_several_requests_run_the_blocks_graph(model, compiled,
             want = eager.verify_batch([plain[r] for r in rows], blocks)
             got = fast.verify_batch([slots[r] for r in rows], blocks)
             widths.add(max(len(block) for block in blocks))
-        for r, block, w, g in zip(rows, blocks, want, got):
-            torch.testing.assert_close(g.logits, w.logits, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(g.hidden, w.hidden, atol=1e-5, rtol=1e-5)
-            rejected = int(torch.randint(0, len(block), (1,), generator=gen))
-            rejected_counts.add(rejected)
-            eager.rollback(plain[r], rejected, w)
-            fast.rollback(slots[r], rejected, g)
-            kept[r] += block[:len(block) - rejected]
-            assert slots[r].get_seq_length() == plain[r].get_seq_length() == len(kept[r])
+        rejected_counts |= check_and_roll_back((eager, fast), (plain, slots), rows, blocks, want, got, kept, gen)
     assert widths >= {2, 3, 4} and rejected_counts == {0, 1, 2, 3}
     assert fast.eager_batches == 0 and fast.eager_forwards == 0
-    for cache, tokens in zip(slots, kept):
-        with torch.inference_mode():
-            full = model(torch.tensor([tokens + [3]])).logits[0, -1]
-        torch.testing.assert_close(fast.verify(cache, 3, []).logits[0], full, atol=1e-4, rtol=1e-4)
+    assert_hold_as_a_full_forward(model, fast, slots, kept)
 
 
 def test_batches_no_batched_graph_takes_run_eager_and_are_counted(model, compiled):
