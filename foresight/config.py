@@ -60,9 +60,11 @@ class EngineConfig:
     # at load), "none" = dense, "auto" = int4 for a GGUF target with 4-bit weights served in bf16 on a CPU
     # (models/quantization.py)
     quantization: str = "auto"
-    # The target's forwards of a few tokens of one request as ahead-of-time compiled graphs (AOTInductor, CPU):
+    # The target's forwards of a few tokens as ahead-of-time compiled graphs (AOTInductor, CPU):
     # "on", "off", "auto" = on for an int4 target on a CPU, where it measured faster (models/compiled_step.py)
     compile: str = "auto"
+    # The draft model's block pass as one such graph: "on", "off", "auto" = on a CPU (models/compiled_draft.py)
+    drafter_compile: str = "auto"
     target_device: str = "cpu"
     drafter_device: str = "cpu"
     target_threads: int = 1
@@ -102,6 +104,7 @@ class EngineConfig:
         _check_choice("cpu_linear", self.cpu_linear, CPU_LINEARS)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("compile", self.compile, COMPILES)
+        _check_choice("drafter_compile", self.drafter_compile, COMPILES)
         _check_choice("verify_length", self.verify_length, VERIFY_LENGTHS)
         _check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         if not 0.0 < self.nucleus_threshold <= 1.0:
@@ -304,9 +307,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "torch's int8 CPU kernel, quantized at load), none (dense), auto (int4 for a GGUF "
                         "target with 4-bit weights served in bf16 on a CPU, e.g. the embedded default)")
     g.add_argument("--compile", default=d.compile, choices=COMPILES,
-                   help="the target's steps of one request (1 to block-size tokens) as ahead-of-time compiled graphs "
-                        "(AOTInductor, CPU, full-attention targets; compiled once per token bucket at start-up, "
-                        "then loaded from the cache folder): on, off, auto (on for an int4 target on a CPU)")
+                   help="the target's steps (1 to block-size tokens of one or several requests) as ahead-of-time "
+                        "compiled graphs (AOTInductor, CPU, full-attention targets; compiled at the first start, then "
+                        "loaded from the cache folder): on, off, auto (on for an int4 target on a CPU)")
+    g.add_argument("--drafter-compile", default=d.drafter_compile, choices=COMPILES,
+                   help="the draft model's block pass as one ahead-of-time compiled graph (AOTInductor, CPU; any "
+                        "batch, block and context; compiled at the first start in about a minute, then loaded from "
+                        "the cache folder): on, off, auto (on a CPU)")
     g.add_argument("--target-device", default=d.target_device)
     g.add_argument("--drafter-device", default=d.drafter_device)
     g.add_argument("--target-threads", type=int, default=d.target_threads)

@@ -280,7 +280,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
     report = {
         "model": str(cfg.target or "SmolLM2-135M-Instruct (embedded default)"),
         "drafter": drafter,
-        "machine": machine_info(cfg) | {"compiled": compiled},
+        "machine": machine_info(cfg) | {"compiled": compiled, "compiled_draft": info.get("compiled")},
         "settings": {"prompts": args.prompts, "n_prompts": len(requests), "temperature": args.temperature,
                      "request_fields": request_fields(getattr(args, "request_fields", "")),
                      "max_tokens": args.max_tokens, "block_size": cfg.block_size, "verification": cfg.verification,
@@ -415,7 +415,7 @@ def machine_info(cfg: EngineConfig) -> dict:
             "target_threads": cfg.target_threads, "drafter_threads": cfg.drafter_threads,
             "borrow_drafter_threads": cfg.borrow_drafter_threads and not cfg.pinned, "cpu_linear": cfg.cpu_linear,
             "target_cores": cfg.target_cores, "drafter_cores": cfg.drafter_cores,
-            "compile": cfg.compile,
+            "compile": cfg.compile, "drafter_compile": cfg.drafter_compile,
             "dtype": str(dtype).replace("torch.", ""), "quantization": served_quantization(cfg, dtype),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 

@@ -59,8 +59,8 @@ from .budget import Plan, StepCosts, plan_round
 from .calibration import FILE_NAME as CALIBRATION_FILE, Calibration, calibrated_scores
 from .foresight_batch import BatchedForesight, ForesightStats
 from ..models.decoder import DecoderCache, ForesightDecoder
-from ..models.draft_model import ContextKV, DraftModel, SharedWeights
-from .jetspec_proposer import DraftModelState, JetSpecProposer, load_drafter_target
+from ..models.draft_model import ContextKV, DraftModel
+from .jetspec_proposer import DraftModelState, JetSpecProposer, load_drafter_target, served_draft_model
 from .outcomes import Outcome, outcome_scores, select_outcomes
 from .proposer import Draft, DraftContext
 from .refinement import row_contexts
@@ -486,7 +486,7 @@ def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineCon
     from ..models.adapter import Adapter
 
     target, dtype = load_drafter_target(cfg)
-    model = DraftModel.load(drafter_path, SharedWeights.from_target(target), cfg.drafter_device, dtype)
+    model = served_draft_model(drafter_path, target, dtype, cfg)
     adapter = Adapter.load(adapter_path, target, cfg.drafter_device, dtype)
     n_target = target.config.num_hidden_layers
     n_layers = cfg.decoder_layers or adapter.config.decoder_layers or n_target - max(adapter.target_indices)
@@ -497,7 +497,7 @@ def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineCon
     subset = model.vocab_subset if model.config.vocab_subset_size else None  # the draft model's vocabulary
     decoder = ForesightDecoder(target, n_layers=n_layers, vocab_subset=subset)
     decoder_layers = torch.nn.ModuleList(decoder.layers)  # the target layers it runs (shared)
-    for part, name in ((model, "draft model"), (adapter, "adapter"), (decoder_layers, "foresight decoder")):
+    for part, name in ((adapter, "adapter"), (decoder_layers, "foresight decoder")):
         use_cpu_linears(part, cfg.cpu_linear, cfg.drafter_device, name)
     return ForesightDrafter(model, adapter, decoder, passes=cfg.draft_passes, cache_size=cfg.cache_size,
                             refreshes=cfg.draft_refreshes, refinement=cfg.refinement,

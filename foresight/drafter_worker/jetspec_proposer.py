@@ -16,7 +16,9 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..models.draft_model import ContextKV, DraftModel, SharedWeights, draw_noise, is_checkpoint
 from ..protocol.messages import HiddenLayout
+from ..models.compiled_draft import compiled_draft_for
 from ..models.cpu_linear import use_cpu_linears
+from ..models.loading import cache_root
 from .proposer import Draft, DraftContext
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"  # the embedded default target's drafter
@@ -53,6 +55,15 @@ def load_drafter_target(cfg: EngineConfig):
     return load_target(resolve_target(cfg.target), dtype, cfg.drafter_device), dtype
 
 
+def served_draft_model(path: Path, target, dtype: torch.dtype, cfg: EngineConfig) -> DraftModel:
+    """The draft model at `path` as the drafter worker serves it: on its device in `dtype`, its linears prepacked
+    (`--cpu-linear`) and its block pass compiled (`--compile`) on a CPU."""
+    model = DraftModel.load(path, SharedWeights.from_target(target), cfg.drafter_device, dtype)
+    use_cpu_linears(model, cfg.cpu_linear, cfg.drafter_device, "draft model")
+    compiled_draft_for(model, cfg.drafter_compile, cfg.drafter_device, cache_root() / "compiled", cfg.drafter_threads)
+    return model
+
+
 @dataclass(slots=True)
 class DraftModelState:
     """One request's draft-model context."""
@@ -87,9 +98,7 @@ class JetSpecProposer:
     @classmethod
     def from_config(cls, path: Path, cfg: EngineConfig) -> "JetSpecProposer":
         target, dtype = load_drafter_target(cfg)
-        proposer = cls.load(path, target, cfg.drafter_device, dtype, cfg.draft_passes)  # the target's layers are dropped
-        use_cpu_linears(proposer.model, cfg.cpu_linear, cfg.drafter_device, "draft model")
-        return proposer
+        return cls(served_draft_model(path, target, dtype, cfg), cfg.draft_passes)  # the target's layers are dropped
 
     def add_request(self, ctx: DraftContext) -> None:
         """The prompt's target states into the context K/V at once (`DrafterWorker.on_start`)."""

@@ -322,29 +322,35 @@ class CompiledStep:
     def fingerprint(self) -> str:
         """A key of everything a package depends on: the weights (sampled), dtype, layers, the code that traces
         it and the software that compiles it."""
-        digest = hashlib.sha256()
-        digest.update(json.dumps(self.model.config.to_dict(), sort_keys=True, default=str).encode())
-        for tensor in weight_tensors(self.model):
-            flat = tensor.detach().reshape(-1)
-            digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
-            digest.update(flat[::max(1, flat.numel() // 1024)].float().numpy().tobytes())
-        import transformers
+        return package_key(self.model, self.model.config.to_dict(), [self.layers, self.autotune, self.threads],
+                           TRACED_MODULES)
 
-        digest.update(json.dumps([self.layers, self.autotune, torch.__version__, transformers.__version__,
-                                  cpu_flags(), self.threads]).encode())
-        for name in TRACED_MODULES:  # the code the trace runs through (loaded modules only)
-            if name in sys.modules:
-                digest.update(inspect.getsource(sys.modules[name]).encode())
-        return digest.hexdigest()[:20]
+
+def package_key(model: nn.Module, config: dict, settings: list, modules: tuple[str, ...]) -> str:
+    """A key of what a compiled package of `model` depends on: its `config`, its weights (sampled), the compile
+    `settings`, the code of `modules` the trace runs through (loaded ones only), torch, transformers and the CPU."""
+    import transformers
+
+    digest = hashlib.sha256()
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for tensor in weight_tensors(model):
+        flat = tensor.detach().reshape(-1)
+        digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(flat[::max(1, flat.numel() // 1024)].float().numpy().tobytes())
+    digest.update(json.dumps([*settings, torch.__version__, transformers.__version__, cpu_flags()]).encode())
+    for name in modules:
+        if name in sys.modules:
+            digest.update(inspect.getsource(sys.modules[name]).encode())
+    return digest.hexdigest()[:20]
 
 
 def prune_stale(cache_dir: Path, keep_days: float = STALE_DAYS, now: float | None = None) -> list[Path]:
-    """Delete the packages in `cache_dir` no start has used for `keep_days` (each change of the model, the traced
-    code, the threads or torch makes a new key and leaves the old packages behind, ~70 MB each), and partial ones a
-    compile left an hour ago or more. Returns what it deleted."""
+    """Delete the packages in `cache_dir` (the target's steps and the draft model's pass) no start has used for
+    `keep_days` (each change of the model, the traced code, the threads or torch makes a new key and leaves the old
+    packages behind, ~70 MB each), and partial ones a compile left an hour ago or more. Returns what it deleted."""
     now = time.time() if now is None else now
     gone = []
-    for path in cache_dir.glob("step-*.pt2"):
+    for path in cache_dir.glob("*.pt2"):
         limit = 3600 if path.name.endswith(".partial.pt2") else keep_days * 86400
         try:
             if now - path.stat().st_mtime > limit:

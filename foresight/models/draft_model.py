@@ -118,6 +118,25 @@ class ContextKV:
         return int(self.positions.shape[0])
 
 
+@dataclass(slots=True)
+class ContextBatch:
+    """Several requests' contexts side by side, each left-padded to the longest (T columns): what a block pass
+    after them reads."""
+
+    start: torch.Tensor  # [B] long: the true position of each row's anchor
+    anchor_state: torch.Tensor  # [B, 1, H] projected state of each row's newest context position
+    keys: list[torch.Tensor]  # per draft layer [B, T, kv_heads, head_dim]
+    values: list[torch.Tensor]  # per draft layer [B, T, kv_heads, head_dim]
+    valid: torch.Tensor  # [B, T] bool: a column holds a context position (False: left padding)
+
+    def __iter__(self):
+        return iter((self.start, self.anchor_state, self.keys, self.values, self.valid))
+
+    @property
+    def columns(self) -> int:
+        return int(self.valid.shape[1])
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [G, S, heads, d]; cos/sin [G, S, d]."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -195,6 +214,7 @@ class DraftModel(nn.Module):
         self.register_buffer("lm_head", shared.lm_head_weight.detach()[vocab_subset].clone(), persistent=False)
         self.register_buffer("vocab_subset", vocab_subset, persistent=False)
         self.embed_scale = shared.embed_scale
+        self.compiled = None  # a CompiledDraft of the block pass (models/compiled_draft.py), or eager
 
     @staticmethod
     def _init(module: nn.Module) -> None:
@@ -278,18 +298,26 @@ class DraftModel(nn.Module):
             raise ValueError(f"context gap: have up to {int(ctx.positions[-1])}, got states from {start}")
         if states.shape[0] >= w:  # a long chunk (a prompt) replaces everything: project only its window
             ctx, start, states = None, start + states.shape[0] - w, states[-w:]
-        states = states.to(self.device)
+        states = states.to(self.device, torch.float32)  # project_context normalises in fp32 anyway
         positions = torch.arange(start, start + states.shape[0], device=self.device)
-        proj = self.project_context(states[None])  # [1, n, H]
-        keys, values = self.context_kv(proj, positions[None])
-        keys, values = [k[0] for k in keys], [v[0] for v in values]
+        if self.compiled is not None and self.compiled.takes_context(states.shape[0]):
+            keys, values, last = self.compiled.context(states, positions)
+        else:
+            keys, values, last = self.new_context(states, positions)
         if ctx is not None and len(ctx):
             keys = [torch.cat([a, b]) for a, b in zip(ctx.keys, keys)]
             values = [torch.cat([a, b]) for a, b in zip(ctx.values, values)]
             positions = torch.cat([ctx.positions, positions])
         if len(positions) > w:
             keys, values, positions = [k[-w:] for k in keys], [v[-w:] for v in values], positions[-w:]
-        return ContextKV(keys, values, positions, proj[0, -1])
+        return ContextKV(keys, values, positions, last)
+
+    def new_context(self, states: torch.Tensor, positions: torch.Tensor):
+        """Target states [n, n_src*H_t] (fp32) at positions [n] -> per draft layer keys and values [n, kv, d], and
+        the projected state of the newest position [H]."""
+        proj = self.project_context(states[None])  # [1, n, H]
+        keys, values = self.context_kv(proj, positions[None])
+        return [k[0] for k in keys], [v[0] for v in values], proj[0, -1]
 
     def encode_context(self, states: torch.Tensor) -> ContextKV:
         """Target states of positions 0..T-1 [T, n_src*H_t] (only the last window is kept)."""
@@ -323,13 +351,10 @@ class DraftModel(nn.Module):
     def block_logits(self, contexts: list[ContextKV], inputs: torch.Tensor) -> torch.Tensor:
         """One pass over given inputs [B, n] (anchor first; right-padding is harmless) -> the logits over the
         vocabulary subset [B, n, V'] (float32): position i's distribution of the token after input i."""
-        batch = self._batch(contexts, inputs.shape[1])
-        return self.logits(self.forward_hidden(inputs.to(self.device).long(), *batch))
+        return self.logits(self.block_pass(inputs.to(self.device).long(), *self.context_batch(contexts)))
 
-    def _batch(self, contexts: list[ContextKV], n: int):
-        """Blocks of n positions over `contexts`, each left-padded to the longest -> the arguments of
-        `forward_hidden` after the tokens: block_idx, positions [B, n], anchor_state [B, n, H], per layer
-        keys/values [B, T, kv, d], mask [B, n, T+n]."""
+    def context_batch(self, contexts: list[ContextKV]) -> ContextBatch:
+        """`contexts` side by side, each left-padded to the longest."""
         dev = self.device
         b = len(contexts)
         t = max((len(c) for c in contexts), default=0)
@@ -349,11 +374,31 @@ class DraftModel(nn.Module):
             valid[row, lo:] = True
             anchor_state[row, 0] = c.last
             start[row] = c.positions[-1] + 1
-        block_idx = torch.arange(n, device=dev).expand(b, n)
+        return ContextBatch(start, anchor_state, keys, values, valid)
+
+    def block_pass(self, inputs: torch.Tensor, start: torch.Tensor, anchor_state: torch.Tensor,
+                   keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
+        """Blocks of inputs [B, n] (anchor first) after a `ContextBatch`'s contexts -> hidden [B, n, H]: block
+        position i at true position start + i, attending to its context's valid columns and causally in the
+        block."""
+        b, n = inputs.shape
+        block_idx = torch.arange(n, device=inputs.device).expand(b, n)  # [B, n]
         positions = start[:, None] + block_idx
-        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-        mask = torch.cat([valid[:, None, :].expand(b, n, t), causal.expand(b, n, n)], dim=-1)
-        return block_idx, positions, anchor_state.expand(b, n, -1), keys, values, mask
+        causal = torch.ones(n, n, dtype=torch.bool, device=inputs.device).tril()
+        mask = torch.cat([valid[:, None, :].expand(b, n, valid.shape[1]), causal.expand(b, n, n)], dim=-1)
+        return self.forward_hidden(inputs, block_idx, positions, anchor_state, keys, values, mask)
+
+    def pass_ids(self, inputs: torch.Tensor, batch: ContextBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block pass -> each position's draft (full-vocabulary ids [B, n]) and its top-1 probability over
+        the vocabulary subset [B, n] float32; through the compiled graph where one takes the batch."""
+        if self.compiled is not None and self.compiled.takes(*inputs.shape, batch.columns):
+            return self.compiled(inputs, batch)
+        return self.ids_and_confidence(self.block_pass(inputs, *batch))
+
+    def ids_and_confidence(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [..., H] -> the argmax's full-vocabulary id [...] and its probability [...] (float32)."""
+        logits = self.logits(hidden)  # [..., vocab subset]
+        return self.vocab_subset[logits.argmax(-1)], torch.softmax(logits, dim=-1).amax(-1)
 
     @torch.inference_mode()
     def _draft(self, contexts: list[ContextKV], inputs: torch.Tensor, fixed: torch.Tensor | None, passes: int,
@@ -361,17 +406,16 @@ class DraftModel(nn.Module):
         """Jacobi passes from inputs [B, n]; fixed [B] leading inputs stay (None: the anchor alone)."""
         inputs = inputs.to(self.device)
         b, n = inputs.shape
-        block_idx, positions, anchor_state, keys, values, mask = self._batch(contexts, n)
+        batch = self.context_batch(contexts)
+        block_idx = torch.arange(n, device=self.device).expand(b, n)
         keep = block_idx < (1 if fixed is None else fixed.to(self.device)[:, None])  # [B, n]
         outs: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for r in range(passes + 1):
-            hidden = self.forward_hidden(inputs, block_idx, positions, anchor_state, keys, values, mask)
-            logits = self.logits(hidden)  # [B, n, vocab subset]
-            ids = self.vocab_subset[logits.argmax(-1)]  # [B, n]
+            ids, confidence = self.pass_ids(inputs, batch)  # [B, n] each
             outs.append(ids)
             if with_probs:
-                probs.append(torch.softmax(logits.float(), dim=-1).amax(-1))  # [B, n]
+                probs.append(confidence)
             nxt = torch.where(keep, inputs, torch.cat([inputs[:, :1], ids[:, :-1]], dim=1))
             if early_exit and torch.equal(nxt, inputs):
                 outs.extend([ids] * (passes - r))

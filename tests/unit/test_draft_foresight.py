@@ -119,7 +119,8 @@ def test_make_proposer_builds_depth_zero_without_an_adapter(tmp_path):
     target = tiny_model("llama")
     DraftModel(DraftConfig.for_target(target.config, num_layers=1),
                SharedWeights.from_target(target)).save(tmp_path / "drafter")
-    cfg = EngineConfig(target=str(target_dir), drafter=str(tmp_path / "drafter"))
+    cfg = EngineConfig(target=str(target_dir), drafter=str(tmp_path / "drafter"),
+                       drafter_compile="off")  # what is built, not how fast (tests/unit/test_compiled_draft.py)
     assert type(make_proposer(cfg)) is JetSpecProposer and why_no_foresight(cfg)  # no adapter: sync only
     depth0 = dataclasses.replace(cfg, decoder_layers=0)
     proposer = make_proposer(depth0)

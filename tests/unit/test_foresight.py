@@ -303,7 +303,8 @@ def test_make_proposer_picks_foresight_when_an_adapter_ships_beside_the_drafter(
     draft = DraftModel(DraftConfig.for_target(target.config, target_layers=[1, 2, n], num_layers=1),
                        SharedWeights.from_target(target))
     draft.save(tmp_path / "drafter")
-    cfg = EngineConfig(target=str(target_dir), drafter=str(tmp_path / "drafter"))
+    cfg = EngineConfig(target=str(target_dir), drafter=str(tmp_path / "drafter"),
+                       drafter_compile="off")  # what is built, not how fast (tests/unit/test_compiled_draft.py)
     sync_only = make_proposer(cfg)
     assert type(sync_only) is JetSpecProposer and not sync_only.supports_foresight
     Adapter.from_target(target, target_indices=[1, 2]).save(tmp_path / "drafter" / "adapter")
@@ -313,8 +314,7 @@ def test_make_proposer_picks_foresight_when_an_adapter_ships_beside_the_drafter(
     assert deeper.decoder.input_index == 1 and deeper.adapter.target_indices == [1]
     with pytest.raises(ConfigError, match="decoder_layers"):  # input index 0 is not predicted
         make_proposer(dataclasses.replace(cfg, decoder_layers=n))
-    assert not make_proposer(EngineConfig(target=str(target_dir), drafter=str(tmp_path / "drafter"),
-                                          adapter="none")).supports_foresight
+    assert not make_proposer(dataclasses.replace(cfg, adapter="none")).supports_foresight
     assert with_foresight.calibration is None  # none fit for this adapter: Eq. 6 scores
     fit = Calibration((0.1, 0.2, 0.3, 0.4, 0.5, 0.6), beta=0.9, source="test fit")
     fit.save(tmp_path / "drafter" / "adapter" / "calibration.json")

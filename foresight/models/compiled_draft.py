@@ -1,0 +1,184 @@
+"""The draft model's block pass compiled ahead of time with AOTInductor (CPU): one graph for every batch.
+
+A block pass of the draft model (its few layers over a block of positions after each row's cached context, then
+the LM head over its vocabulary subset) is what every drafting strategy runs: a sync draft, a pipelined fallback,
+foresight's pre-drafted outcomes, each Jacobi pass. Eager, most of a pass of the shipped draft model is Python and
+small ops around its matrix products (norms, rotary embedding, the mask, the softmax over the subset). One graph
+takes every batch: its rows (1 to MAX_ROWS), positions per row (1 to MAX_TOKENS) and context columns (1 to the
+draft model's window) stay symbolic, and it returns each position's draft and confidence, so the logits
+[B, n, V'] never leave it. Results equal the eager pass's up to float rounding (another fusion order).
+
+Packages share the target's cache folder (models/compiled_step.py) under a key of the weights, the code the trace
+runs through, torch and the CPU, so a second start loads the graph in seconds.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .compiled_step import intra_op_threads, package_key, prune_stale
+from .draft_model import ContextBatch, DraftModel
+
+log = logging.getLogger("foresight.compiled_draft")
+
+# Modules whose code runs inside the traced pass: a change recompiles.
+TRACED_MODULES = (__name__, "foresight.models.draft_model", "foresight.models.cpu_linear")
+MAX_ROWS = 64  # rows (blocks) of one pass: a sync batch, or B outcomes of each request foresight pre-drafts
+MAX_TOKENS = 32  # positions per row: a block (anchor + drafts)
+EXAMPLE = 3  # the size each symbolic dimension is traced at (never 1: the tracer would take it for a constant)
+
+
+class DraftPassBody(nn.Module):
+    """What is compiled: `DraftModel.block_pass` and the drafts with their confidence."""
+
+    def __init__(self, model: DraftModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs, start, anchor_state, keys: list[torch.Tensor], values: list[torch.Tensor], valid):
+        """inputs [B, n] ids; the `ContextBatch` fields -> (drafts [B, n] full-vocabulary ids, confidence [B, n])."""
+        return self.model.ids_and_confidence(self.model.block_pass(inputs, start, anchor_state, keys, values, valid))
+
+
+class NewContextBody(nn.Module):
+    """What is compiled: `DraftModel.new_context`, the keys/values of a request's new context positions."""
+
+    def __init__(self, model: DraftModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, states, positions):
+        """states [n, n_src*H_t] fp32, positions [n] -> (keys, values per layer [n, kv, d], newest state [H])."""
+        return self.model.new_context(states, positions)
+
+
+class CompiledDraft:
+    """AOTInductor graphs of `model`'s block pass and context extension, built for `threads` intra-op threads."""
+
+    GRAPHS = ("pass", "context")
+
+    def __init__(self, model: DraftModel, cache_dir: Path, threads: int = 1):
+        self.model = model
+        self.cache_dir = cache_dir
+        self.threads = threads
+        self.max_columns = model.config.context_window
+        self.graphs: dict[str, object] = {}
+        self.compile_s = 0.0  # seconds spent compiling (0 when the packages came from the cache)
+        self.loaded = 0  # packages loaded from the cache
+
+    def takes(self, rows: int, tokens: int, columns: int) -> bool:
+        """Whether the pass graph serves `rows` blocks of `tokens` positions after `columns` context columns."""
+        return 1 <= rows <= MAX_ROWS and 1 <= tokens <= MAX_TOKENS and 1 <= columns <= self.max_columns
+
+    def takes_context(self, positions: int) -> bool:
+        """Whether the context graph serves `positions` new context positions of one request."""
+        return 1 <= positions <= self.max_columns
+
+    def __call__(self, inputs: torch.Tensor, batch: ContextBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`DraftModel.pass_ids` through the graph."""
+        return tuple(self.graphs["pass"](inputs, *batch))
+
+    def context(self, states: torch.Tensor, positions: torch.Tensor):
+        """`DraftModel.new_context` through the graph."""
+        keys, values, last = self.graphs["context"](states, positions)
+        return list(keys), list(values), last
+
+    def fingerprint(self) -> str:
+        return package_key(self.model, self.model.config.to_dict(), [self.threads, MAX_ROWS, MAX_TOKENS,
+                                                                     self.max_columns], TRACED_MODULES)
+
+    def build(self) -> None:
+        """Load the packages from the cache, compiling the missing ones first."""
+        key = self.fingerprint()
+        for name in self.GRAPHS:
+            path = self.cache_dir / f"draft-{key}-{name}.pt2"
+            if path.is_file():
+                self.loaded += 1
+                path.touch()  # in use: prune_stale keeps it
+            else:
+                t0 = time.perf_counter()
+                self.compile(name, path)
+                self.compile_s += time.perf_counter() - t0
+                log.info("compiled the draft model's %s graph in %.1f s -> %s", name, time.perf_counter() - t0, path)
+            self.graphs[name] = torch._inductor.aoti_load_package(str(path))
+        prune_stale(self.cache_dir)
+
+    @torch.inference_mode()
+    def compile(self, name: str, path: Path) -> None:
+        """Trace and compile graph `name` (its sizes symbolic) into the package `path`."""
+        import torch._inductor.config as inductor
+
+        body, example, dynamic = self.pass_trace() if name == "pass" else self.context_trace()
+        program = torch.export.export(body, example, strict=False, dynamic_shapes=dynamic)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # two processes may compile at once
+        with inductor.patch({"freezing": True, "cpp.dynamic_threads": self.threads > 1}), \
+                intra_op_threads(self.threads):
+            torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
+        partial.replace(path)  # a killed compile leaves no half-written package behind
+
+    def pass_trace(self):
+        """The pass's body, example inputs (EXAMPLE rows of EXAMPLE positions after EXAMPLE + 1 context columns)
+        and their symbolic sizes: rows, positions, context columns."""
+        cfg, model = self.model.config, self.model
+        rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
+        tokens = torch.export.Dim("tokens", min=1, max=MAX_TOKENS)
+        columns = torch.export.Dim("columns", min=1, max=self.max_columns)
+        width = EXAMPLE + 1
+        kv = [torch.zeros(EXAMPLE, width, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=model.device)
+              for _ in model.layers]
+        example = (torch.zeros(EXAMPLE, EXAMPLE, dtype=torch.long), torch.full((EXAMPLE,), width),
+                   torch.zeros(EXAMPLE, 1, cfg.hidden_size, dtype=model.dtype), kv, [k.clone() for k in kv],
+                   torch.ones(EXAMPLE, width, dtype=torch.bool))
+        context = [{0: rows, 1: columns}] * len(model.layers)
+        return DraftPassBody(model), example, ({0: rows, 1: tokens}, {0: rows}, {0: rows}, context, context,
+                                               {0: rows, 1: columns})
+
+    def context_trace(self):
+        """The context extension's body, example inputs (EXAMPLE new positions) and their symbolic size."""
+        cfg = self.model.config
+        positions = torch.export.Dim("positions", min=1, max=self.max_columns)
+        example = (torch.zeros(EXAMPLE, len(cfg.target_layers) * cfg.target_hidden_size), torch.arange(EXAMPLE))
+        return NewContextBody(self.model), example, ({0: positions}, {0: positions})
+
+
+def compile_draft_refusal(device: str) -> str | None:
+    """Why the draft model on `device` cannot run a compiled pass (None: it can)."""
+    return None if device == "cpu" else "the compiled draft pass is built for CPUs only (CUDA graphs are not built yet)"
+
+
+def compiled_draft_for(model: DraftModel, choice: str, device: str, cache_dir: Path, threads: int = 1) -> bool:
+    """Give `model` its compiled block pass as `choice` ("auto", "on", "off") wants; True when it has one. "auto":
+    on a CPU. A build that fails logs why and leaves the pass eager: a compiler problem never stops the worker."""
+    from ..config import ConfigError
+
+    refusal = compile_draft_refusal(device)
+    if choice == "on" and refusal is not None:
+        raise ConfigError(f"drafter_compile: {refusal}")
+    if choice == "off" or refusal is not None:
+        return False
+    compiled = CompiledDraft(model, cache_dir, threads)
+    try:
+        compiled.build()
+    except Exception as exc:  # noqa: BLE001 -- any compiler failure means eager, with the reason logged
+        log.warning("draft model: compiling its block pass failed, running it eagerly: %s: %s",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return False
+    model.compiled = compiled
+    log.info("draft model: block pass compiled for up to %d threads (%s)", threads,
+             "loaded from the cache" if compiled.loaded else f"{compiled.compile_s:.1f} s compiling")
+    return True
+
+
+def compiled_draft_info(model: DraftModel | None) -> dict:
+    """What of the drafter runs compiled (for the bench's report): whether the draft model's block pass does, the
+    seconds spent compiling it at start-up and whether its package came from the cache."""
+    compiled = getattr(model, "compiled", None)
+    if compiled is None:
+        return {"draft_pass": False, "compile_s": 0.0, "loaded": 0}
+    return {"draft_pass": True, "compile_s": round(compiled.compile_s, 1), "loaded": compiled.loaded}
