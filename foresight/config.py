@@ -63,7 +63,8 @@ class EngineConfig:
     # The target's forwards of a few tokens as ahead-of-time compiled graphs (AOTInductor, CPU):
     # "on", "off", "auto" = on for an int4 target on a CPU, where it measured faster (models/compiled_step.py)
     compile: str = "auto"
-    # The draft model's block pass as one such graph: "on", "off", "auto" = on a CPU (models/compiled_draft.py)
+    # The draft model's block pass and context extension as such graphs: "on", "off", "auto" = on a CPU
+    # (models/compiled_draft.py)
     drafter_compile: str = "auto"
     target_device: str = "cpu"
     drafter_device: str = "cpu"
@@ -311,9 +312,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "compiled graphs (AOTInductor, CPU, full-attention targets; compiled at the first start, then "
                         "loaded from the cache folder): on, off, auto (on for an int4 target on a CPU)")
     g.add_argument("--drafter-compile", default=d.drafter_compile, choices=COMPILES,
-                   help="the draft model's block pass as one ahead-of-time compiled graph (AOTInductor, CPU; any "
-                        "batch, block and context; compiled at the first start in about a minute, then loaded from "
-                        "the cache folder): on, off, auto (on a CPU)")
+                   help="the draft model's block pass and context extension as ahead-of-time compiled graphs "
+                        "(AOTInductor, CPU; any batch, block and context; compiled at the first start in about 30 s, "
+                        "then loaded from the cache folder): on, off, auto (on a CPU)")
     g.add_argument("--target-device", default=d.target_device)
     g.add_argument("--drafter-device", default=d.drafter_device)
     g.add_argument("--target-threads", type=int, default=d.target_threads)

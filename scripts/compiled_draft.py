@@ -1,10 +1,10 @@
 """Does the compiled draft pass pay? Drafting time per round, eager against compiled, side by side.
 
-    .venv/bin/python scripts/compiled_draft.py [threads] [prompts] [limit]
+    .venv/bin/python scripts/compiled_draft.py [threads] [prompts] [limit] [bfloat16|float32]
 
-Loads the embedded default target as served (bf16 on a CPU with native bf16, its GGUF's int4 weights where
+Loads the embedded default target as served in that dtype (bf16 by default; its GGUF's int4 weights where
 `--quantization auto` picks them; its steps eager: only the drafting time is compared) and the shipped draft model
-as the drafter worker serves it (bf16 where native, prepacked linears), then:
+in the same dtype as the drafter worker serves it (prepacked linears), then:
 - the block pass alone (`DraftModel.pass_ids`) at a few batch shapes (rows x positions after a context of 200),
   eager and compiled (models/compiled_draft.py), ms per pass and the largest difference in confidence, and a
   context extension by 1 or 3 positions (`DraftModel.extend_context`, what each round adds);
@@ -89,11 +89,12 @@ def main() -> None:
     threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     prompt_set = sys.argv[2] if len(sys.argv) > 2 else "chat"
     limit = int(sys.argv[3]) if len(sys.argv) > 3 else 12
+    dtype = getattr(torch, sys.argv[4]) if len(sys.argv) > 4 else torch.bfloat16
     torch.set_num_threads(threads)
     path = resolve_target(None)
-    target = load_target(path, torch.bfloat16, "cpu")
+    target = load_target(path, dtype, "cpu")
     served = apply_quantization(target, "auto", path, "cpu", "target")
-    proposer = JetSpecProposer.load(resolve_drafter_path(EngineConfig()), target, "cpu", torch.bfloat16)
+    proposer = JetSpecProposer.load(resolve_drafter_path(EngineConfig()), target, "cpu", dtype)
     use_cpu_linears(proposer.model, "auto", "cpu", "draft model")
     model = proposer.model
     compiled = CompiledDraft(model, cache_root() / "compiled", threads)

@@ -94,6 +94,8 @@ class ModeTally:
     strategies: dict[str, int] = field(default_factory=dict)  # rounds per strategy (mode auto's choices)
     hit_committed: int = 0  # tokens committed by rounds served from the speculation cache
     miss_committed: int = 0  # ... by rounds that looked it up and missed (a fallback draft)
+    compiled: int = 0  # rounds a compiled graph verified
+    known_forward: int = 0  # rounds that say how their forward ran (the target has compiled steps)
 
     def summary(self, mode: str, ar_outputs: list[list[int]] | None) -> dict:
         ms = [1e3 * x for x in self.exposed_s]
@@ -118,6 +120,7 @@ class ModeTally:
             "strategy_rounds": dict(sorted(self.strategies.items())),
             "tau_hits": self.hit_committed / self.hits if self.hits else None,
             "tau_misses": self.miss_committed / (self.lookups - self.hits) if self.lookups > self.hits else None,
+            "compiled_rounds": self.compiled / self.known_forward if self.known_forward else None,
         }
 
 
@@ -140,6 +143,9 @@ async def run_one(engine: EngineClient, request: GenerateRequest, tally: ModeTal
             tally.drafted += stats.drafted
             tally.verify_s.append(stats.verify_s)
             tally.nucleus_extra += stats.nucleus_extra
+            if stats.compiled is not None:
+                tally.known_forward += 1
+                tally.compiled += int(stats.compiled)
             if stats.exposed_draft_s is not None:
                 tally.exposed_s.append(stats.exposed_draft_s)
             if stats.cache_hit is not None:

@@ -15,7 +15,8 @@ With --peers llamacpp, llama.cpp's own HTTP server (bench/llamacpp_load.py: the 
 at the workers' total threads, as many slots as the highest level) runs every level too, by the same
 clients, in the same rotation as the modes: its rows (`llamacpp@Nt`, `llamacpp-bf16@Nt`) sit beside the
 modes' in each level, and `ratios_vs_ar` gives its tokens/s over `ar`'s as for a mode; `settings.peers`
-says how each ran. A peer's row has no `strategy_rounds`.
+says how each ran. A peer's row has no `strategy_rounds` or `compiled_rounds` (the share of rounds a compiled
+graph verified).
 """
 from __future__ import annotations
 
@@ -350,17 +351,32 @@ async def one_request(client, base: str, path: str, body: dict, headers: dict) -
     return result
 
 
-_STRATEGY_ROUNDS = re.compile(r'^foresight_strategy_rounds_total\{[^}]*strategy="([^"]+)"[^}]*\}\s+([0-9.eE+-]+)$',
-                              re.MULTILINE)
+# Round counters of the server's /metrics: per strategy (what auto and the load policy chose) and per forward
+# (a compiled graph or eager), as {(counter, label value): rounds}
+_ROUND_COUNTERS = {"strategy": re.compile(r'^foresight_strategy_rounds_total\{[^}]*strategy="([^"]+)"[^}]*\}\s+'
+                                          r'([0-9.eE+-]+)$', re.MULTILINE),
+                   "forward": re.compile(r'^foresight_rounds_by_forward_total\{[^}]*forward="([^"]+)"[^}]*\}\s+'
+                                         r'([0-9.eE+-]+)$', re.MULTILINE)}
 
 
-async def strategy_rounds(client, base: str) -> dict[str, float]:
-    """Rounds run so far per strategy, from the server's /metrics (what auto and the load policy chose)."""
+async def round_counts(client, base: str) -> dict[tuple[str, str], float]:
+    """Rounds run so far per strategy and per forward, from the server's /metrics."""
     text = (await client.get(f"{base}/metrics", timeout=10)).text
-    out: dict[str, float] = {}
-    for strategy, value in _STRATEGY_ROUNDS.findall(text):
-        out[strategy] = out.get(strategy, 0.0) + float(value)
+    out: dict[tuple[str, str], float] = {}
+    for counter, pattern in _ROUND_COUNTERS.items():
+        for label, value in pattern.findall(text):
+            out[counter, label] = out.get((counter, label), 0.0) + float(value)
     return out
+
+
+def round_fields(counts: dict[tuple[str, str], float]) -> dict:
+    """A level's `strategy_rounds` (rounds per strategy that ran) and `compiled_rounds` (the share a compiled graph
+    verified; None without compiled steps) from the rounds counted meanwhile."""
+    forwards = {label: n for (counter, label), n in counts.items() if counter == "forward"}
+    total = sum(forwards.values())
+    return {"strategy_rounds": {s: int(n) for (counter, s), n in sorted(counts.items())
+                                if counter == "strategy" and n > 0},
+            "compiled_rounds": round(forwards.get("compiled", 0.0) / total, 4) if total else None}
 
 
 async def run_level(client, base: str, items: list[dict], level: int, n_requests: int,
@@ -382,12 +398,12 @@ async def run_level(client, base: str, items: list[dict], level: int, n_requests
 
 
 async def counted_run(client, base: str, items: list[dict], level: int, n_requests: int, args: argparse.Namespace,
-                      headers: dict) -> tuple[tuple[list[RequestResult], float], dict[str, float]]:
-    """`run_level`, and the rounds per strategy the server ran meanwhile (from its /metrics)."""
-    before = await strategy_rounds(client, base)
+                      headers: dict) -> tuple[tuple[list[RequestResult], float], dict[tuple[str, str], float]]:
+    """`run_level`, and the rounds per strategy and per forward the server ran meanwhile (from its /metrics)."""
+    before = await round_counts(client, base)
     run = await run_level(client, base, items, level, n_requests, args, headers)
-    after = await strategy_rounds(client, base)
-    return run, {s: n - before.get(s, 0.0) for s, n in after.items()}
+    after = await round_counts(client, base)
+    return run, {key: n - before.get(key, 0.0) for key, n in after.items()}
 
 
 def run_line(results: list[RequestResult], wall_s: float) -> str:
@@ -488,7 +504,7 @@ async def load_bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
         for mode in names:
             fields = merge_runs(runs[level, mode])
             if mode in modes:
-                fields["strategy_rounds"] = {s: int(n) for s, n in sorted(rounds[level, mode].items()) if n > 0}
+                fields.update(round_fields(rounds[level, mode]))
             section[str(level)][mode] = fields
             ran = f", rounds {fields['strategy_rounds']}" if mode in modes else ""
             print(f"[load] {mode} @ {level}: median {fields['tokens_per_s'] or 0:.1f} tok/s over "

@@ -126,6 +126,7 @@ class RoundStats:
     passes: int = 0  # drafter refinement passes used for the block
     refreshes: int = 0  # drafter context refreshes used for the block
     strategy: Strategy = Strategy.AR  # how the round ran; in mode auto, what the chooser picked
+    compiled: bool | None = None  # whether a compiled graph verified it (None: the target has no compiled steps)
 
     def __post_init__(self) -> None:
         self.strategy = Strategy.parse(self.strategy, "strategy")

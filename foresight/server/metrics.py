@@ -18,6 +18,7 @@ PREFIX = "foresight_"
 FINISH_REASONS = ("stop", "length", "abort")
 FAILURE_REASONS = ("bad_request", "queue_full", "worker_error")
 WORKERS = ("target", "drafter")
+FORWARDS = ("compiled", "eager")  # how a round's verification forward ran
 
 # Seconds, from sub-millisecond GPU steps to minute-long CPU requests.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -87,6 +88,9 @@ class ServerMetrics:
         self._strategy_rounds = counter("strategy_rounds_total",
                                         "Verification rounds by strategy (mode auto's choices among them).",
                                         "strategy")
+        self._rounds_by_forward = counter("rounds_by_forward_total",
+                                          "Verification rounds by how the target's forward ran: a compiled graph "
+                                          "or eager (only with compiled steps).", "forward")
         # workers
         self._worker_up = gauge("worker_up", "1 while the worker is alive and ready.", "worker")
         self._worker_restarts = counter("worker_restarts_total", "Worker restarts by the supervisor.", "worker")
@@ -102,6 +106,8 @@ class ServerMetrics:
             self._accepted_per_pos.labels(m, str(pos))
         for strategy in Strategy:
             self._strategy_rounds.labels(m, strategy)
+        for forward in FORWARDS:
+            self._rounds_by_forward.labels(m, forward)
 
     # ------------------------------------------------------------ requests
 
@@ -158,6 +164,8 @@ class ServerMetrics:
         self._strategy_rounds.labels(self.model_name, stats.strategy).inc()
         if stats.nucleus_extra:
             self.nucleus_extra.inc(stats.nucleus_extra)
+        if stats.compiled is not None:
+            self._rounds_by_forward.labels(self.model_name, FORWARDS[0] if stats.compiled else FORWARDS[1]).inc()
 
     # ------------------------------------------------------------ workers
 

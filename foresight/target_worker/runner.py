@@ -31,6 +31,7 @@ class ForwardResult:
     # [positions, hidden] fp32 final-norm output behind the logits of a low-precision target whose logits were
     # refined near each row's maximum ("fp32-top"): logit rules that move the maximum refine again from it
     head_input: torch.Tensor | None = None
+    compiled: bool = False  # computed by a compiled graph (models/compiled_step.py), not the eager forward
 
 
 class TargetRunner:
@@ -164,7 +165,7 @@ class TargetRunner:
         normed = self.model.model.norm(last[:, fed - keep:fed])[0]  # [keep, hidden]; the fp32 head's hook captures
         logits, head_input = self._logits_at(normed, None)  # the norm's input (the last layer's output) as it runs
         hidden = states[0, :fed] if self.layout.layers else None  # [fed, width]
-        return ForwardResult(logits=logits, hidden=hidden, head_input=head_input)
+        return ForwardResult(logits=logits, hidden=hidden, head_input=head_input, compiled=True)
 
     def prefill(self, cache: DynamicCache, prompt_ids: list[int], keep_logits: int = 1) -> ForwardResult:
         """Process the prompt; logits for its last `keep_logits` positions (by default the last only)."""
@@ -249,7 +250,7 @@ class TargetRunner:
         logits, head_input = self._logits_at(normed, None)
         head_inputs = head_input.split(lengths) if head_input is not None else [None] * len(caches)
         hidden = states[real].split(lengths) if self.layout.layers else [None] * len(caches)  # [n_b, width'] each
-        return [ForwardResult(logits=lg, hidden=h, head_input=hi)
+        return [ForwardResult(logits=lg, hidden=h, head_input=hi, compiled=True)
                 for lg, h, hi in zip(logits.split(lengths), hidden, head_inputs)]
 
     def _logits_at(self, normed: torch.Tensor, select) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -469,7 +469,8 @@ class TargetWorker:
         stats = RoundStats(drafted=len(draft), accepted=verdict.accepted, nucleus_extra=verdict.nucleus_extra,
                            verify_s=verify_s, exposed_draft_s=r.exposed,
                            cache_hit=state.block_cache_hit, passes=state.block_passes,
-                           refreshes=state.block_refreshes, strategy=state.strategy)
+                           refreshes=state.block_refreshes, strategy=state.strategy,
+                           compiled=result.compiled if self.runner.compiled is not None else None)
         if not r.with_drafts:
             self.lookup.observe(len(draft), verdict.accepted, share_s)
         committed = draft[: verdict.accepted] + [verdict.token]

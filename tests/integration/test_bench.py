@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 MODE_FIELDS = {"tokens_per_s", "output_tokens", "wall_s", "rounds", "tau", "hit_rate", "exposed_draft_ms_mean",
                "exposed_draft_ms_p50", "exposed_draft_ms_p90", "verify_ms_mean", "outputs_match_ar",
                "verified_drafts_mean", "passes_mean", "refreshes_mean", "strategy_rounds", "tau_hits", "tau_misses",
-               "warmup_s"}
+               "compiled_rounds", "warmup_s"}
 PROBE_FIELDS = {"mismatches", "mismatches_near_tie", "mismatches_unexplained", "mismatch_details"}
 PIPELINE_FIELDS = {"pipeline_gain_ideal", "pipeline_efficiency"}  # pipelined, beside sync
 
@@ -54,6 +54,11 @@ def test_bench_report(tmp_path):
         assert sum(report["modes"][mode]["strategy_rounds"].values()) == report["modes"][mode]["rounds"]
     assert set(report["modes"]["ar"]["strategy_rounds"]) == {"ar"}
     assert set(report["modes"]["auto"]["strategy_rounds"]) <= {"ngram", "pipelined", "hybrid"}
+    # A compiled target verifies every round of one request at a time through its graphs (ar: the 1-token one);
+    # the drafter compiles its draft model's pass and context extension on a CPU (--drafter-compile auto)
+    compiled = bool(report["machine"]["compiled"]["buckets"])
+    assert report["modes"]["ar"]["compiled_rounds"] == (1.0 if compiled else None)
+    assert report["machine"]["compiled_draft"]["draft_pass"] is True
     assert report["modes"]["ar"]["tau"] == 1.0 and report["modes"]["ar"]["exposed_draft_ms_mean"] is None
     assert report["modes"]["ar"]["verified_drafts_mean"] == 0.0 and report["modes"]["sync"]["passes_mean"] is None
     assert report["modes"]["sync"]["exposed_draft_ms_mean"] is not None

@@ -7,14 +7,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from support.suite_dtype import suite_dtype
+from support.suite_dtype import resolved_suite_dtype, suite_dtype
 
 pytestmark = pytest.mark.integration
 
 LEVEL_FIELDS = {"requests", "ok", "rejected", "errors", "output_tokens", "wall_s", "tokens_per_s", "ttft_ms_p50",
                 "ttft_ms_p90", "itl_ms_p50", "itl_ms_p90", "tpot_ms_p50", "latency_ms_p50", "error_examples",
-                "strategy_rounds", "tokens_per_s_runs"}
+                "strategy_rounds", "compiled_rounds", "tokens_per_s_runs"}
 
 
 def test_load_bench_report(tmp_path):
@@ -49,6 +50,12 @@ def test_load_bench_report(tmp_path):
         assert fields["rejected"] == 0 and fields["errors"] == 0
         assert fields["output_tokens"] > 0 and fields["tokens_per_s"] > 0
         assert set(fields["strategy_rounds"]) == {"ar"} and fields["strategy_rounds"]["ar"] > 0  # from /metrics
+        # --compile auto compiles the int4 target (bf16): one client's rounds all run through graphs, two clients'
+        # steps that carry a prompt chunk run eager
+        if resolved_suite_dtype() == torch.bfloat16:
+            assert 0.0 < fields["compiled_rounds"] <= 1.0 and (level == "2" or fields["compiled_rounds"] == 1.0)
+        else:
+            assert fields["compiled_rounds"] is None
         for key in ("ttft_ms_p50", "ttft_ms_p90", "itl_ms_p50", "itl_ms_p90", "tpot_ms_p50"):
             assert fields[key] is not None and fields[key] >= 0, key
         assert fields["ttft_ms_p50"] <= fields["ttft_ms_p90"] and fields["itl_ms_p50"] <= fields["itl_ms_p90"]

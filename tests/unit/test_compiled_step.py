@@ -188,6 +188,7 @@ def test_batches_no_batched_graph_takes_run_eager_and_are_counted(model, compile
         got = fast.verify_batch(slots[:len(blocks)], blocks)
         for w, g in zip(want, got):
             torch.testing.assert_close(g.logits, w.logits, atol=1e-5, rtol=1e-5)
+            assert g.compiled == (blocks[0] != [3, 4, 5, 6, 7]) and not w.compiled
     assert fast.eager_batches == 1
     blocks = GraphShape(1, (2, MAX_BATCH), 4)
     assert compiled.batch_graph(3) == (GraphShape(1, (2, 3)), 1) and compiled.batch_graph(4) == (blocks, 1)
@@ -220,6 +221,7 @@ def test_blocks_padded_past_the_limit_run_the_eager_packed_forward(model, compil
         want, got = eager.verify_batch(plain, blocks), fast.verify_batch(slots, blocks)
         for w, g in zip(want, got):
             torch.testing.assert_close(g.logits, w.logits, atol=1e-5, rtol=1e-5)
+            assert g.compiled == (blocks[1] != [7]) and not w.compiled  # the first batch padded too far
     assert fast.eager_batches == 1
 
 
@@ -263,11 +265,12 @@ def test_a_block_longer_than_the_buckets_runs_eager_and_is_counted(model, compil
     eager.prefill(a, PROMPT)
     fast.prefill(b, PROMPT)
     block = [3, 4, 5, 6, 7, 8]
-    torch.testing.assert_close(fast.verify(b, block[0], block[1:]).logits, eager.verify(a, block[0], block[1:]).logits,
-                               atol=1e-5, rtol=1e-5)
-    assert fast.eager_forwards == 1
-    torch.testing.assert_close(fast.verify(b, 9, []).logits, eager.verify(a, 9, []).logits, atol=1e-5, rtol=1e-5)
-    assert fast.eager_forwards == 1  # and the cache goes on compiled
+    longer = fast.verify(b, block[0], block[1:])
+    torch.testing.assert_close(longer.logits, eager.verify(a, block[0], block[1:]).logits, atol=1e-5, rtol=1e-5)
+    assert fast.eager_forwards == 1 and not longer.compiled
+    step = fast.verify(b, 9, [])
+    torch.testing.assert_close(step.logits, eager.verify(a, 9, []).logits, atol=1e-5, rtol=1e-5)
+    assert fast.eager_forwards == 1 and step.compiled  # and the cache goes on compiled
 
 
 @pytest.mark.parametrize("mode", ["ar", "sync", "pipelined"])
@@ -282,7 +285,7 @@ def test_greedy_decoding_on_compiled_steps_equals_plain_greedy(model, compiled, 
         engine.close()
     assert got["error"] is None
     assert got["tokens"] == plain_greedy(model, PROMPT, 40, eos=model.config.eos_token_id)
-    assert runner.eager_forwards == 0
+    assert runner.eager_forwards == 0 and all(r.compiled is True for r in got["rounds"])  # what /metrics counts
     if mode != "ar":
         drafted = [r for r in got["rounds"] if r.drafted]
         assert any(0 < r.accepted < r.drafted for r in drafted) and any(r.accepted == r.drafted for r in drafted)

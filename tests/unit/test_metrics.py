@@ -18,7 +18,8 @@ DOCUMENTED_METRICS = [
     "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total", "accept_length",
     "speculation_cache_lookups_total", "speculation_cache_hits_total", "exposed_draft_latency_seconds",
     "verify_latency_seconds", "draft_refinement_passes", "draft_context_refreshes",
-    "nucleus_extra_accepted_tokens_total", "strategy_rounds_total", "worker_up", "worker_restarts_total",
+    "nucleus_extra_accepted_tokens_total", "strategy_rounds_total", "rounds_by_forward_total", "worker_up",
+    "worker_restarts_total",
 ]
 
 
@@ -65,6 +66,8 @@ def test_label_children_exist_before_traffic(metrics):
     assert value(metrics, "accept_length_count") == 0
     for strategy in ("ar", "ngram", "sync", "pipelined", "hybrid"):
         assert value(metrics, "strategy_rounds_total", strategy=strategy) == 0
+    for forward in ("compiled", "eager"):
+        assert value(metrics, "rounds_by_forward_total", forward=forward) == 0
 
 
 def test_positions_precreated_when_gamma_known():
@@ -109,6 +112,15 @@ def test_rounds_are_counted_by_strategy(metrics):
     assert value(metrics, "strategy_rounds_total", strategy="hybrid") == 2
     assert value(metrics, "strategy_rounds_total", strategy="ngram") == 1
     assert value(metrics, "strategy_rounds_total", strategy="sync") == 0
+
+
+def test_rounds_are_counted_by_forward_only_with_compiled_steps(metrics):
+    for compiled in (True, True, False, None):  # None: a target without compiled steps
+        metrics.record_round(RoundStats(drafted=0, accepted=0, nucleus_extra=0, verify_s=0.01, exposed_draft_s=None,
+                                        cache_hit=None, compiled=compiled))
+    assert value(metrics, "rounds_by_forward_total", forward="compiled") == 2
+    assert value(metrics, "rounds_by_forward_total", forward="eager") == 1
+    assert value(metrics, "strategy_rounds_total", strategy="ar") == 4
 
 
 def test_ar_round_counts_only_length_and_verify(metrics):
