@@ -1,15 +1,18 @@
-"""The draft model's block pass compiled ahead of time with AOTInductor (CPU): one graph for every batch.
+"""The draft model's block pass and context extension compiled ahead of time with AOTInductor (CPU): one graph
+each, for every batch.
 
 A block pass of the draft model (its few layers over a block of positions after each row's cached context, then
 the LM head over its vocabulary subset) is what every drafting strategy runs: a sync draft, a pipelined fallback,
-foresight's pre-drafted outcomes, each Jacobi pass. Eager, most of a pass of the shipped draft model is Python and
-small ops around its matrix products (norms, rotary embedding, the mask, the softmax over the subset). One graph
-takes every batch: its rows (1 to MAX_ROWS), positions per row (1 to MAX_TOKENS) and context columns (1 to the
-draft model's window) stay symbolic, and it returns each position's draft and confidence, so the logits
-[B, n, V'] never leave it. Results equal the eager pass's up to float rounding (another fusion order).
+foresight's pre-drafted outcomes, each Jacobi pass; the context extension (the new positions' keys and values) is
+what each round adds before it. Eager, most of a pass of the shipped draft model is Python and small ops around
+its matrix products (norms, rotary embedding, the mask, the softmax over the subset). The pass graph takes every
+batch: its rows (1 to MAX_ROWS), positions per row (1 to MAX_TOKENS) and context columns (1 to the draft model's
+window) stay symbolic, and it returns each position's draft and confidence, so the logits [B, n, V'] never leave
+it; the extension graph takes 1 to a window of new positions. Results equal the eager forwards' up to float
+rounding (another fusion order).
 
 Packages share the target's cache folder (models/compiled_step.py) under a key of the weights, the code the trace
-runs through, torch and the CPU, so a second start loads the graph in seconds.
+runs through, torch and the CPU, so a second start loads the graphs in seconds.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from .draft_model import ContextBatch, DraftModel
 
 log = logging.getLogger("foresight.compiled_draft")
 
-# Modules whose code runs inside the traced pass: a change recompiles.
+# Modules whose code runs inside the traced graphs: a change recompiles.
 TRACED_MODULES = (__name__, "foresight.models.draft_model", "foresight.models.cpu_linear")
 MAX_ROWS = 64  # rows (blocks) of one pass: a sync batch, or B outcomes of each request foresight pre-drafts
 MAX_TOKENS = 32  # positions per row: a block (anchor + drafts)
