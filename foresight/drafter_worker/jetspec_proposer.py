@@ -57,7 +57,7 @@ def load_drafter_target(cfg: EngineConfig):
 
 def served_draft_model(path: Path, target, dtype: torch.dtype, cfg: EngineConfig) -> DraftModel:
     """The draft model at `path` as the drafter worker serves it: on its device in `dtype`, its linears prepacked
-    (`--cpu-linear`) and its block pass compiled (`--compile`) on a CPU."""
+    (`--cpu-linear`) and its block pass and context extension compiled (`--drafter-compile`) on a CPU."""
     model = DraftModel.load(path, SharedWeights.from_target(target), cfg.drafter_device, dtype)
     use_cpu_linears(model, cfg.cpu_linear, cfg.drafter_device, "draft model")
     compiled_draft_for(model, cfg.drafter_compile, cfg.drafter_device, cache_root() / "compiled", cfg.drafter_threads)

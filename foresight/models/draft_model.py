@@ -214,7 +214,7 @@ class DraftModel(nn.Module):
         self.register_buffer("lm_head", shared.lm_head_weight.detach()[vocab_subset].clone(), persistent=False)
         self.register_buffer("vocab_subset", vocab_subset, persistent=False)
         self.embed_scale = shared.embed_scale
-        self.compiled = None  # a CompiledDraft of the block pass (models/compiled_draft.py), or eager
+        self.compiled = None  # a CompiledDraft (models/compiled_draft.py): the pass and extension as graphs
 
     @staticmethod
     def _init(module: nn.Module) -> None:
