@@ -173,7 +173,7 @@ def compiled_draft_for(model: DraftModel, choice: str, device: str, cache_dir: P
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return False
     model.compiled = compiled
-    log.info("draft model: block pass compiled for up to %d threads (%s)", threads,
+    log.info("draft model: block pass and context extension compiled for up to %d threads (%s)", threads,
              "loaded from the cache" if compiled.loaded else f"{compiled.compile_s:.1f} s compiling")
     return True
 
