@@ -17,14 +17,12 @@ runs through, torch and the CPU, so a second start loads the graphs in seconds.
 from __future__ import annotations
 
 import logging
-import os
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .compiled_step import intra_op_threads, package_key, prune_stale
+from .compiled_step import compile_package, load_package, package_key, prune_stale
 from .draft_model import ContextBatch, DraftModel
 
 log = logging.getLogger("foresight.compiled_draft")
@@ -100,30 +98,17 @@ class CompiledDraft:
         key = self.fingerprint()
         for name in self.GRAPHS:
             path = self.cache_dir / f"draft-{key}-{name}.pt2"
-            if path.is_file():
-                self.loaded += 1
-                path.touch()  # in use: prune_stale keeps it
-            else:
-                t0 = time.perf_counter()
-                self.compile(name, path)
-                self.compile_s += time.perf_counter() - t0
-                log.info("compiled the draft model's %s graph in %.1f s -> %s", name, time.perf_counter() - t0, path)
-            self.graphs[name] = torch._inductor.aoti_load_package(str(path))
+            graph, seconds = load_package(path, lambda: self.compile(name, path), f"the draft model's {name} graph")
+            self.graphs[name] = graph
+            self.compile_s += seconds or 0.0
+            self.loaded += int(seconds is None)
         prune_stale(self.cache_dir)
 
     @torch.inference_mode()
     def compile(self, name: str, path: Path) -> None:
         """Trace and compile graph `name` (its sizes symbolic) into the package `path`."""
-        import torch._inductor.config as inductor
-
         body, example, dynamic = self.pass_trace() if name == "pass" else self.context_trace()
-        program = torch.export.export(body, example, strict=False, dynamic_shapes=dynamic)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # two processes may compile at once
-        with inductor.patch({"freezing": True, "cpp.dynamic_threads": self.threads > 1}), \
-                intra_op_threads(self.threads):
-            torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
-        partial.replace(path)  # a killed compile leaves no half-written package behind
+        compile_package(torch.export.export(body, example, strict=False, dynamic_shapes=dynamic), path, self.threads)
 
     def pass_trace(self):
         """The pass's body, example inputs (EXAMPLE rows of EXAMPLE positions after EXAMPLE + 1 context columns)

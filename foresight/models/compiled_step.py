@@ -255,21 +255,14 @@ class CompiledStep:
 
     def load(self, shape: GraphShape, path: Path):
         """The graph of `shape` from its package at `path`, compiled first if missing."""
-        if not path.is_file():
-            t0 = time.perf_counter()
-            self.compile(shape, path)
-            self.compile_s += time.perf_counter() - t0
-            log.info("compiled the %s step in %.1f s -> %s", shape.name, time.perf_counter() - t0, path)
-        else:
-            self.loaded += 1
-            path.touch()  # in use: prune_stale keeps it
-        return torch._inductor.aoti_load_package(str(path))
+        graph, seconds = load_package(path, lambda: self.compile(shape, path), f"the {shape.name} step")
+        self.compile_s += seconds or 0.0
+        self.loaded += int(seconds is None)
+        return graph
 
     @torch.inference_mode()
     def compile(self, shape: GraphShape, path: Path) -> None:
         """Trace and compile the forward of `shape` into the package `path`."""
-        import torch._inductor.config as inductor
-
         example = self.example_inputs(shape)
         name = shape.name.replace("-", "_")
         columns = torch.export.Dim(f"columns_{name}", min=shape.tokens + 1, max=MAX_COLUMNS)
@@ -286,14 +279,8 @@ class CompiledStep:
                                           dynamic_shapes=({**rows, **fed} or None, {**rows, **fed} or None,
                                                           {**rows, 2: fed.get(1), 3: columns} if fed else
                                                           {**rows, 3: columns}, buffers, buffers))
-        options = {"freezing": True, "cpp.dynamic_threads": self.threads > 1}
-        if self.autotune:
-            options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # two processes may compile at once
-        with inductor.patch(options), intra_op_threads(self.threads):  # kernels split (and autotuned) for these
-            torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
-        partial.replace(path)  # a killed compile leaves no half-written package behind
+        options = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"} if self.autotune else {}
+        compile_package(program, path, self.threads, options)
 
     def example_inputs(self, shape: GraphShape):
         """Inputs of the shapes a forward of `shape` takes, over a past of EXAMPLE_PAST positions."""
@@ -342,6 +329,33 @@ def package_key(model: nn.Module, config: dict, settings: list, modules: tuple[s
         if name in sys.modules:
             digest.update(inspect.getsource(sys.modules[name]).encode())
     return digest.hexdigest()[:20]
+
+
+def load_package(path: Path, compile_into, what: str) -> tuple[object, float | None]:
+    """The graph in the package at `path`, after `compile_into()` writes it there if it is missing -> (the graph,
+    seconds spent compiling; None when it was loaded from the cache). `what`: the graph's name for the log."""
+    seconds = None
+    if path.is_file():
+        path.touch()  # in use: prune_stale keeps it
+    else:
+        t0 = time.perf_counter()
+        compile_into()
+        seconds = time.perf_counter() - t0
+        log.info("compiled %s in %.1f s -> %s", what, seconds, path)
+    return torch._inductor.aoti_load_package(str(path)), seconds
+
+
+def compile_package(program, path: Path, threads: int, options: dict | None = None) -> None:
+    """Compile the exported `program` into the package `path`: weights frozen in, kernels split for `threads`
+    (inductor's dynamic threads past one) and tuned for them, plus inductor `options`."""
+    import torch._inductor.config as inductor
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # two processes may compile at once
+    with inductor.patch({"freezing": True, "cpp.dynamic_threads": threads > 1, **(options or {})}), \
+            intra_op_threads(threads):
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
+    partial.replace(path)  # a killed compile leaves no half-written package behind
 
 
 def prune_stale(cache_dir: Path, keep_days: float = STALE_DAYS, now: float | None = None) -> list[Path]:
