@@ -3,10 +3,12 @@
     .venv/bin/python scripts/compiled_step.py [threads] [quantization]
 
 Loads the target as served (bf16 where the CPU has native bf16; `quantization` int4 by default, or none),
-builds its compiled steps for up to `threads` threads (models/compiled_step.py: loaded from the cache folder when
-an earlier run compiled them, else compiled now, minutes), then times, at every thread count from 1 to `threads`,
-interleaved over one 200-token context per runner: a 1-token step and verify blocks of 2, 4 and 8 positions (each
-rolled back). Prints medians in ms, the compile time, and the largest logit difference between the two runners.
+builds its compiled steps for up to `threads` threads, with the prompt-chunk graph of 9 to 256 tokens
+(models/compiled_step.py: loaded from the cache folder when an earlier run compiled them, else compiled now,
+minutes), then times, at every thread count from 1 to `threads`, interleaved over one 200-token context per
+runner: a 1-token step and verify blocks of 2, 4 and 8 positions (each rolled back); and prompts of 16, 64, 128 and
+256 tokens prefilled into an empty cache. Prints medians in ms, the compile time, and the largest logit difference
+between the two runners.
 """
 import statistics
 import sys
@@ -23,6 +25,8 @@ from foresight.target_worker.runner import TargetRunner
 
 ROUNDS = 24
 BLOCKS = (1, 2, 4, 8)
+PROMPTS = (16, 64, 128, 256)
+CHUNK = (9, 256)  # the served prompt-chunk graph (target_worker/worker.py, prompt_chunk_tokens)
 
 
 def served(quantization: str):
@@ -38,7 +42,7 @@ def main() -> None:
     model = served(sys.argv[2] if len(sys.argv) > 2 else "int4")
     t0 = time.perf_counter()
     compiled = compiled_step_for(model, "on", "cpu", (), max(BLOCKS), cache_root() / "compiled", packed_attention,
-                                 threads=threads)
+                                 threads=threads, chunk_tokens=CHUNK)
     print(f"compiled steps ready in {time.perf_counter() - t0:.1f} s ({compiled.compile_s:.1f} s compiling, "
           f"{compiled.loaded} loaded)")
     runners = {"eager": TargetRunner(model), "compiled": TargetRunner(model, compiled=compiled)}
@@ -61,6 +65,19 @@ def main() -> None:
         worst = max(worst, (logits["eager"] - logits["compiled"]).abs().max().item())
         ms = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
         print(f"{count} thread(s), {n}-token forward: eager {ms['eager']:6.2f} ms  compiled {ms['compiled']:6.2f} ms  "
+              f"compiled {ms['eager'] / ms['compiled']:.2f}x")
+    for n, count in ((n, count) for count in range(1, threads + 1) for n in PROMPTS):
+        torch.set_num_threads(count)
+        times = {name: [] for name in runners}
+        for i in range(ROUNDS // 2):
+            for name in (list(runners) if i % 2 else list(runners)[::-1]):
+                cache = runners[name].new_cache()
+                t0 = time.perf_counter()
+                logits[name] = runners[name].prefill(cache, [100 + (7 * j) % 3000 for j in range(n)]).logits
+                times[name].append(time.perf_counter() - t0)
+        worst = max(worst, (logits["eager"] - logits["compiled"]).abs().max().item())
+        ms = {name: statistics.median(t[1:]) * 1e3 for name, t in times.items()}
+        print(f"{count} thread(s), {n}-token prompt: eager {ms['eager']:6.2f} ms  compiled {ms['compiled']:6.2f} ms  "
               f"compiled {ms['eager'] / ms['compiled']:.2f}x")
     print(f"largest |eager - compiled| logit: {worst:.4f}; eager forwards of the compiled runner: "
           f"{runners['compiled'].eager_forwards}")

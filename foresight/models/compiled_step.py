@@ -23,6 +23,10 @@ only. Rows padded to the widest block cost what real tokens cost, while the eage
 real ones (target_worker/packed_step.py): a batch padded past MAX_PADDING rows per real token (one long block among
 single tokens) runs eager.
 
+A prompt's chunks (more tokens than a block, up to `--max-num-batched-tokens`) run one graph of one request whose
+token count stays symbolic, fed as many tokens as the chunk has; its linears multiply by the dense copies, as an
+eager forward of that many rows does. A prompt's first chunk goes through it too: it writes into empty buffers.
+
 A graph returns the last decoder layer's output before the final norm (the runner's logit head takes it from there,
 fp32 included) and the hidden states the drafter reads.
 
@@ -186,18 +190,22 @@ class CompiledStep:
 
     def __init__(self, model: nn.Module, layers: tuple[int, ...], buckets: tuple[int, ...], cache_dir: Path,
                  autotune: bool, attention=None, threads: int = 1, batch_ranges: tuple[tuple[int, int], ...] = (),
-                 block_tokens: int = 0):
+                 block_tokens: int = 0, chunk_tokens: tuple[int, int] = (0, 0)):
         """`layers`: the hidden_states indices each forward returns; `attention`: a context manager factory the
         trace runs inside (the attention implementation the eager forwards use); `threads`: the most intra-op
         threads a forward runs on (the graphs' work is split for that many; fewer at run time run the same split
         on fewer threads); `batch_ranges`: the batch sizes of the 1-token batched graphs (`batch_ranges()`);
         `block_tokens`: the most tokens per request of the blocks' graph (1 to this many tokens to each of 2 to
-        MAX_BATCH requests: their verify blocks, and plain steps the 1-token graphs do not take; 0: none)."""
+        MAX_BATCH requests: their verify blocks, and plain steps the 1-token graphs do not take; 0: none);
+        `chunk_tokens`: the range of tokens of one request the prompt-chunk graph takes, as many as fed (no
+        padding), from past the largest bucket at least ((0, 0): none). The range must not straddle a change of
+        path inside the model (the attention's short queries): the trace would keep one path only."""
         self.model = model
         self.layers = tuple(layers)
         self.buckets = tuple(sorted(set(buckets)))
         self.batch_ranges = tuple(batch_ranges)
         self.block_tokens = block_tokens
+        self.chunk_tokens = chunk_tokens
         self.kernel_limit = kernel_rows(model) or 0  # rows up to which the quantized linears take their kernel
         self.max_padding = MAX_PADDING
         self.cache_dir = cache_dir
@@ -211,12 +219,29 @@ class CompiledStep:
     @property
     def shapes(self) -> list[GraphShape]:
         blocks = [GraphShape(1, (2, MAX_BATCH), self.block_tokens)] if self.block_tokens >= 1 else []
-        return ([GraphShape(bucket) for bucket in self.buckets] + [GraphShape(1, rows) for rows in self.batch_ranges]
-                + blocks)
+        chunks = [self.chunk_shape] if self.chunk_shape.blocks else []
+        return ([GraphShape(bucket) for bucket in self.buckets] + chunks
+                + [GraphShape(1, rows) for rows in self.batch_ranges] + blocks)
+
+    @property
+    def chunk_shape(self) -> GraphShape:
+        """The prompt-chunk graph: `chunk_tokens` tokens of one request, past the largest bucket."""
+        low, high = self.chunk_tokens
+        return GraphShape(max(low, self.buckets[-1] + 1), (1, 1), high)
 
     def bucket(self, tokens: int) -> int | None:
         """The graph a forward of `tokens` runs (None: more tokens than the largest bucket)."""
         return next((b for b in self.buckets if b >= tokens), None)
+
+    def single_graph(self, tokens: int) -> tuple[GraphShape, int] | None:
+        """The built graph for a forward of `tokens` new tokens of one request and the width they are padded to
+        (a bucket's tokens, or as many as fed in the prompt-chunk graph; None: no graph takes them)."""
+        bucket = self.bucket(tokens)
+        if bucket is not None:
+            return GraphShape(bucket), bucket
+        if self.chunk_shape in self.graphs and self.chunk_shape.takes(1, tokens):
+            return self.chunk_shape, tokens
+        return None
 
     def block_width(self, rows: int, tokens: int) -> int:
         """The width (tokens per request) a batch of `rows` requests feeding up to `tokens` each is padded to in
@@ -239,18 +264,17 @@ class CompiledStep:
         return None
 
     def build(self) -> None:
-        """Load each graph's package from the cache, compiling the missing ones. A batched graph that fails to
-        compile is left out (its steps run eager), with the reason logged."""
+        """Load each graph's package from the cache, compiling the missing ones. A batched or prompt-chunk graph
+        that fails to compile is left out (its forwards run eager), with the reason logged."""
         key = self.fingerprint()
         for shape in self.shapes:
             try:
                 self.graphs[shape] = self.load(shape, self.cache_dir / f"step-{key}-{shape.name}.pt2")
-            except Exception as exc:  # noqa: BLE001 -- a batched graph is optional; one request's are not
-                if not shape.batched:
+            except Exception as exc:  # noqa: BLE001 -- those graphs are optional; the buckets' are not
+                if not (shape.batched or shape.blocks):
                     raise
-                log.warning("the batched step of %s requests failed to compile and runs eager: %s: %s",
-                            "-".join(map(str, shape.rows)), type(exc).__name__,
-                            str(exc).splitlines()[0] if str(exc) else "")
+                log.warning("the %s step failed to compile and runs eager: %s: %s", shape.name,
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         prune_stale(self.cache_dir)
 
     def load(self, shape: GraphShape, path: Path):
@@ -265,7 +289,9 @@ class CompiledStep:
         """Trace and compile the forward of `shape` into the package `path`."""
         example = self.example_inputs(shape)
         name = shape.name.replace("-", "_")
-        columns = torch.export.Dim(f"columns_{name}", min=shape.tokens + 1, max=MAX_COLUMNS)
+        # A prompt's first chunk attends to its own tokens only (no past): columns >= tokens, not > tokens.
+        chunks = shape.blocks and not shape.batched
+        columns = torch.export.Dim(f"columns_{name}", min=shape.tokens + (not chunks), max=MAX_COLUMNS)
         capacity = torch.export.Dim(f"capacity_{name}", min=shape.tokens + 1, max=MAX_COLUMNS)
         rows = {}
         if shape.rows[0] < shape.rows[1]:
@@ -296,10 +322,6 @@ class CompiledStep:
         positions = torch.arange(EXAMPLE_PAST, EXAMPLE_PAST + tokens).repeat(rows, 1)  # [rows, tokens]
         mask = causal_mask(EXAMPLE_PAST, tokens).repeat(rows, 1, 1, 1)  # [rows, 1, tokens, past + tokens]
         return embeds, positions, mask, keys, values
-
-    def run(self, bucket: int, ids, positions, mask, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compiled `StepBody.forward` for `bucket` tokens `ids` [1, bucket] of one request."""
-        return self.run_shape(GraphShape(bucket), ids, positions, mask, keys, values)
 
     def run_shape(self, shape: GraphShape, ids, positions, mask, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled `StepBody.forward` of `shape` for the tokens `ids` [B, L]."""
@@ -455,23 +477,25 @@ def wants_compile(choice: str, model: nn.Module, device: str) -> bool:
 
 def compiled_step_for(model: nn.Module, choice: str, device: str, layers: tuple[int, ...], block_size: int,
                       cache_dir: Path, attention=None, owner: str = "target", threads: int = 1,
-                      batched: bool = False) -> CompiledStep | None:
+                      batched: bool = False, chunk_tokens: tuple[int, int] = (0, 0)) -> CompiledStep | None:
     """The built `CompiledStep` for `model` as `choice` wants (None: eager), for forwards of up to `threads`
-    threads (`batched`: with the batched graphs of plain steps under load). A build that fails logs why and
-    leaves the forwards eager: a compiler problem never stops the worker."""
+    threads (`batched`: with the batched graphs of plain steps under load; `chunk_tokens`: with the prompt-chunk
+    graph of that range of tokens). A build that fails logs why and leaves the forwards eager: a compiler problem
+    never stops the worker."""
     if not wants_compile(choice, model, device):
         return None
     step = CompiledStep(model, layers, step_buckets(block_size), cache_dir, autotune=serves_int4(model),
                         attention=attention, threads=threads, batch_ranges=batch_ranges(model) if batched else (),
-                        block_tokens=block_size if batched else 0)
+                        block_tokens=block_size if batched else 0, chunk_tokens=chunk_tokens)
     try:
         step.build()
     except Exception as exc:  # noqa: BLE001 -- any compiler failure means eager, with the reason logged
         log.warning("%s: compiling the steps failed, running them eagerly: %s: %s", owner, type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "")
         return None
-    log.info("%s: steps of %s tokens and batched steps (tokens x requests) of %s compiled for up to %d threads "
-             "(%.1f s compiling, %d of %d loaded from %s)", owner, "/".join(map(str, step.buckets)),
+    log.info("%s: steps of %s tokens, prompt chunks of %s and batched steps (tokens x requests) of %s compiled for "
+             "up to %d threads (%.1f s compiling, %d of %d loaded from %s)", owner, "/".join(map(str, step.buckets)),
+             step.chunk_shape.name if step.chunk_shape in step.graphs else "none",
              ", ".join(shape.name for shape in step.graphs if shape.batched) or "none",
              threads, step.compile_s, step.loaded, len(step.shapes), cache_dir)
     return step

@@ -60,13 +60,17 @@ class TargetRunner:
         self.last_batch: BatchedKV | None = None  # the last batched forward's KV layout, reused while it fits
 
     def compile_info(self) -> dict:
-        """What runs compiled (for the bench's report): the token buckets, seconds spent compiling at start-up and
-        packages loaded from the cache, and the most threads a graph's work is split for."""
+        """What runs compiled (for the bench's report): the token buckets, the batched graphs, the prompt-chunk
+        graph's most tokens, seconds spent compiling at start-up and packages loaded from the cache, and the most
+        threads a graph's work is split for."""
         if self.compiled is None:
-            return {"buckets": [], "batch_ranges": [], "block_tokens": 0, "compile_s": 0.0, "loaded": 0, "threads": 0}
+            return {"buckets": [], "batch_ranges": [], "block_tokens": 0, "chunk_tokens": [], "compile_s": 0.0,
+                    "loaded": 0, "threads": 0}
+        graphs, chunk = self.compiled.graphs, self.compiled.chunk_shape
         return {"buckets": list(self.compiled.buckets),
-                "batch_ranges": [list(shape.rows) for shape in self.compiled.graphs if shape.batched],
-                "block_tokens": self.compiled.block_tokens if any(s.blocks for s in self.compiled.graphs) else 0,
+                "batch_ranges": [list(shape.rows) for shape in graphs if shape.batched],
+                "block_tokens": self.compiled.block_tokens if any(s.blocks and s.batched for s in graphs) else 0,
+                "chunk_tokens": [chunk.tokens, chunk.tokens_to] if chunk in graphs else [],
                 "compile_s": round(self.compiled.compile_s, 1), "loaded": self.compiled.loaded,
                 "threads": self.compiled.threads}
 
@@ -115,14 +119,14 @@ class TargetRunner:
                 handle.remove()
 
     def _forward(self, cache, tokens, keep_logits, snap) -> ForwardResult:
-        if self.compiled is not None and snap is None and cache.get_seq_length() > 0:  # new_cache: SlotLayers
-            bucket = self.compiled.bucket(len(tokens))
-            if bucket is not None:
-                return self._forward_compiled(cache, tokens, keep_logits, bucket)
+        if self.compiled is not None and snap is None:  # new_cache: SlotLayers
+            graph = self.compiled.single_graph(len(tokens))
+            if graph is not None:
+                return self._forward_compiled(cache, tokens, keep_logits, *graph)
             self.eager_forwards += 1
             if self.eager_forwards == 1:
-                log.warning("a forward of %d tokens of one request runs eager: the compiled steps take up to %d "
-                            "(counted in eager_forwards)", len(tokens), self.compiled.buckets[-1])
+                log.warning("a forward of %d tokens of one request runs eager: no compiled step takes it "
+                            "(counted in eager_forwards)", len(tokens))
         if self.config._attn_implementation == PACKS_OVER:
             with packed_attention(self.config):  # not packed: `attention` (packed_step.py) for every layer
                 return self._forward_model(cache, tokens, keep_logits, snap)
@@ -151,14 +155,15 @@ class TargetRunner:
             hidden = self.layout.concat(out.hidden_states)[0]  # [L, width]
         return ForwardResult(logits=logits, hidden=hidden, linear_snapshot=snap, head_input=head_input)
 
-    def _forward_compiled(self, cache, tokens, keep_logits, bucket) -> ForwardResult:
-        """`_forward_model` through the compiled graph of `bucket` tokens (tokens padded with their last)."""
+    def _forward_compiled(self, cache, tokens, keep_logits, shape, width) -> ForwardResult:
+        """`_forward_model` through the compiled graph `shape`, tokens padded with their last to `width`."""
         past, fed = cache.get_seq_length(), len(tokens)
-        buffers = [layer.room(past + bucket) for layer in cache.layers]  # (keys, values) [1, kv_heads, C, D]
-        ids = torch.tensor([tokens + tokens[-1:] * (bucket - fed)], dtype=torch.long, device=self.device)
-        positions = torch.arange(past, past + bucket, device=self.device)[None]  # [1, bucket]
-        last, states = self.compiled.run(bucket, ids, positions, causal_mask(past, bucket).to(self.device),
-                                         [keys for keys, _ in buffers], [values for _, values in buffers])
+        first = () if past else self._no_keys()  # a prompt's first chunk: the layers' first buffers
+        buffers = [layer.room(past + width, *first) for layer in cache.layers]  # (keys, values) [1, kv_heads, C, D]
+        ids = torch.tensor([tokens + tokens[-1:] * (width - fed)], dtype=torch.long, device=self.device)
+        positions = torch.arange(past, past + width, device=self.device)[None]  # [1, width]
+        last, states = self.compiled.run_shape(shape, ids, positions, causal_mask(past, width).to(self.device),
+                                               [keys for keys, _ in buffers], [values for _, values in buffers])
         for layer in cache.layers:
             layer.hold(past + fed)  # the padding's keys stay beyond what the layer holds
         keep = keep_logits or fed
@@ -166,6 +171,13 @@ class TargetRunner:
         logits, head_input = self._logits_at(normed, None)  # the norm's input (the last layer's output) as it runs
         hidden = states[0, :fed] if self.layout.layers else None  # [fed, width]
         return ForwardResult(logits=logits, hidden=hidden, head_input=head_input, compiled=True)
+
+    def _no_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty keys and values [1, kv_heads, 0, head_dim] in the model's dtype: what a layer's first buffers are
+        shaped after."""
+        dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        empty = torch.empty(1, self.config.num_key_value_heads, 0, dim, dtype=self.model.dtype, device=self.device)
+        return empty, empty
 
     def prefill(self, cache: DynamicCache, prompt_ids: list[int], keep_logits: int = 1) -> ForwardResult:
         """Process the prompt; logits for its last `keep_logits` positions (by default the last only)."""

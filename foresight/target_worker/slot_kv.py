@@ -37,7 +37,10 @@ class SlotLayer(DynamicLayer):
     def room(self, end: int, key_like: torch.Tensor | None = None,
              value_like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's buffers, holding its past in columns [0, T) and room for `end` columns (`*_like`: the
-        shape and dtype of new buffers when the layer holds nothing yet)."""
+        shape and dtype of new buffers when the layer holds nothing yet; an uninitialized layer takes its dtype and
+        device from them)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_like, value_like)
         past = self.get_seq_length()
         if self.buffers is not None:
             keys, values = self.buffers

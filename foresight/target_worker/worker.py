@@ -55,6 +55,7 @@ from ..models.quantization import apply_quantization
 from ..models.cpu_linear import use_cpu_linears
 from ..models.loading import cache_root, load_target, load_tokenizer, resolve_dtype, resolve_target
 from .packed_step import packed_attention
+from .small_attention import SMALL_QUERY
 from ..spec.sampling import PositionDraws
 from .load_policy import LoadPolicy
 from .local_lookup import LocalLookup
@@ -608,6 +609,12 @@ class TargetWorker:
             self.to_drafter(ReleaseDraft(req_id=req_id))
 
 
+def prompt_chunk_tokens(cfg: EngineConfig) -> tuple[int, int]:
+    """The prompt chunks of one request the compiled prompt-chunk graph takes: past the short queries whose
+    attention folds its heads (small_attention.py: another path, another graph) up to the chunk budget."""
+    return SMALL_QUERY + 1, cfg.max_num_batched_tokens
+
+
 def main(cfg_dict: dict, addrs_dict: dict, layout_dict: dict, strategies: list[str],
          auto_strategies: list[str]) -> None:
     """Process entry point (spawned by the launcher). `layout_dict`: the drafter's `HiddenLayout`, as a dict."""
@@ -626,7 +633,7 @@ def main(cfg_dict: dict, addrs_dict: dict, layout_dict: dict, strategies: list[s
         threads = StepThreads.from_config(cfg)
         compiled = compiled_step_for(model, cfg.compile, cfg.target_device, layout.layers, cfg.block_size,
                                      cache_root() / "compiled", packed_attention, "target", threads.most,
-                                     batched=cfg.batched_steps)
+                                     batched=cfg.batched_steps, chunk_tokens=prompt_chunk_tokens(cfg))
         runner = TargetRunner(model, layout, compiled=compiled)
         max_len = cfg.max_model_len or model.config.max_position_embeddings
         TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),

@@ -40,7 +40,7 @@ def test_the_compiled_int4_step_is_as_close_to_fp32_as_the_eager_one():
     eager = stepped_logits(TargetRunner(model), ids)
     fast_runner = TargetRunner(model, compiled=compiled)
     fast = stepped_logits(fast_runner, ids)
-    assert fast_runner.eager_forwards == 0
+    assert fast_runner.eager_forwards == 1  # the prompt (this build has no prompt-chunk graph)
     eager_err, fast_err = relative_errors(eager, want), relative_errors(fast, want)
     # Measured: see docs/numerics.md, "Compiled steps".
     assert fast_err.mean() <= 1.5 * eager_err.mean() and fast_err.max() <= 0.15, (fast_err, eager_err)

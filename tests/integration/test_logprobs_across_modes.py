@@ -12,7 +12,10 @@ MODEL = "SmolLM2-135M-Instruct"
 MODES = ("ar", "ngram", "sync", "pipelined", "auto")
 ASKS = [({"role": "user", "content": "Write a Python function that checks whether a number is prime."}, 0.0, None),
         ({"role": "user", "content": "Give me three tips for a rainy weekend."}, 1.0, 11)]
-TOLERANCE = 1e-4  # fp32 forwards of different shapes (a verify block, a plain step) agree to ~1e-6
+# fp32 forwards of different shapes round differently: the top-3 logprobs of a 48-token chat answer differ by up to
+# 6e-5 between 1-token steps and 8-token verify blocks (dense eager target, 1 or 2 threads). A logprob taken from the
+# wrong row, temperature or rule differs by orders of magnitude more.
+TOLERANCE = 5e-4
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,11 @@ def entries(response) -> list[tuple[str, float, dict[str, float]]]:
 def test_logprobs_equal_ar_s(answers, mode):
     for want, got in zip(answers["ar"], answers[mode]):
         assert [token for token, _, _ in got] == [token for token, _, _ in want]
-        for (_, lp_got, top_got), (_, lp_want, top_want) in zip(got, want):
-            assert lp_got == pytest.approx(lp_want, abs=TOLERANCE)
-            assert top_got.keys() == top_want.keys()
-            assert all(top_got[t] == pytest.approx(v, abs=TOLERANCE) for t, v in top_want.items())
+        worst = (0.0, None)  # the largest difference and where: (position, token)
+        for i, ((_, lp_got, top_got), (token, lp_want, top_want)) in enumerate(zip(got, want)):
+            assert top_got.keys() == top_want.keys(), (i, token)
+            for t, value in [(token, lp_want), *top_want.items()]:
+                gap = abs((lp_got if t == token else top_got[t]) - value)
+                worst = max(worst, (gap, (i, t)), key=lambda w: w[0])
+        assert worst[0] <= TOLERANCE, f"{mode}: logprob differs by {worst[0]:.2e} from ar's at (position, token) " \
+                                      f"{worst[1]}"

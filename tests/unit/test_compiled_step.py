@@ -1,10 +1,10 @@
 """Compiled steps (models/compiled_step.py, target_worker/slot_kv.py) against the eager forwards they replace, on
 tiny Llama and Qwen3 models in fp32: logits and states of every block length with rollbacks of every length,
 batched steps in between (plain steps and verify blocks of several requests, compiled; wider or padded too far,
-eager), greedy decoding in every mode, shapes beyond the buckets, the package cache and a failing compiler.
-Compiling costs ~10 s a graph here, so one build per model (buckets 1 and 4, plain steps of 2-3 requests, blocks of
-1-4 tokens of 2-64 requests) serves every test; targets with sliding-window or linear-attention layers are refused
-(test_what_compile_choices_mean)."""
+eager), prompt chunks from an empty cache, greedy decoding in every mode, shapes beyond the graphs, the package cache
+and a failing compiler. Compiling costs ~10 s a graph here, so one build per model (buckets 1 and 4, prompt chunks of
+9-16 tokens, plain steps of 2-3 requests, blocks of 1-4 tokens of 2-64 requests) serves every test; targets with
+sliding-window or linear-attention layers are refused (test_what_compile_choices_mean)."""
 from __future__ import annotations
 
 import logging
@@ -29,6 +29,7 @@ torch.set_num_threads(1)
 LAYERS = (1, 3)
 BATCHES = ((2, 3),)  # the batched graph's range of requests
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 40, 41, 3]
+CHUNK = (9, 16)  # the prompt-chunk graph's tokens of one request (5-8 fold their attention heads: eager)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -45,7 +46,7 @@ def cache_dir(tmp_path_factory):
 def compiled(model, cache_dir):
     """Graphs split for two threads (a target that borrows the drafter's core), run at one unless a test says."""
     step = CompiledStep(model, LAYERS, (1, 4), cache_dir, autotune=False, attention=packed_attention, threads=2,
-                        batch_ranges=BATCHES, block_tokens=4)
+                        batch_ranges=BATCHES, block_tokens=4, chunk_tokens=CHUNK)
     step.build()
     return step
 
@@ -119,7 +120,7 @@ def test_plain_steps_of_several_requests_run_the_batched_graph(model, compiled):
     """One token per request for two or three requests (the batch laid out anew when it changes, reused while it
     stays), single-request steps with rollbacks in between (each request's layers move back to buffers of their
     own): logits, states and caches stay the eager forwards', and end as a full forward over the kept tokens."""
-    eager, fast, plain, slots, kept = prefilled(model, compiled, [PROMPT, PROMPT[3:] + [17, 18], PROMPT[:7]])
+    eager, fast, plain, slots, kept = prefilled(model, compiled, [PROMPT, PROMPT[3:] + [17, 18], PROMPT[:9]])
     gen = torch.Generator().manual_seed(1)
     reused = []
     for step in range(14):
@@ -152,7 +153,7 @@ def test_verify_blocks_of_several_requests_run_the_blocks_graph(model, compiled,
     between: logits, states and caches stay the eager packed forwards', and end as a full forward over the kept
     tokens."""
     monkeypatch.setattr(compiled, "max_padding", float("inf"))
-    eager, fast, plain, slots, kept = prefilled(model, compiled, [PROMPT, PROMPT[3:] + [17, 18], PROMPT[:7]])
+    eager, fast, plain, slots, kept = prefilled(model, compiled, [PROMPT, PROMPT[3:] + [17, 18], PROMPT[:9]])
     gen = torch.Generator().manual_seed(2)
     rejected_counts, widths = set(), set()
     for step in range(16):
@@ -225,21 +226,23 @@ def test_blocks_padded_past_the_limit_run_the_eager_packed_forward(model, compil
     assert fast.eager_batches == 1
 
 
-def test_a_batched_graph_that_fails_to_compile_leaves_those_steps_eager(model, tmp_path, monkeypatch, caplog):
+def test_batched_and_chunk_graphs_that_fail_to_compile_leave_those_forwards_eager(model, tmp_path, monkeypatch,
+                                                                                   caplog):
     real = CompiledStep.compile
 
     def fails_batched(self, shape, path):
-        if shape.rows != (1, 1):
-            raise RuntimeError("injected batched compile failure")
+        if shape.rows != (1, 1) or shape.blocks:
+            raise RuntimeError(f"injected compile failure of {shape.name}")
         return real(self, shape, path)
 
     monkeypatch.setattr(CompiledStep, "compile", fails_batched)
     step = CompiledStep(model, (), (1,), tmp_path, autotune=False, attention=packed_attention, batch_ranges=BATCHES,
-                        block_tokens=2)
+                        block_tokens=2, chunk_tokens=(9, 12))
     with caplog.at_level(logging.WARNING, logger="foresight.compiled_step"):
         step.build()
     assert list(step.graphs) == [GraphShape(1)] and step.batch_graph(2) is None and step.batch_graph(2, 2) is None
-    assert "injected batched compile failure" in caplog.text
+    assert step.single_graph(9) is None
+    assert "injected compile failure of 9-12" in caplog.text and "injected compile failure of 1-2x2-64" in caplog.text
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -259,15 +262,34 @@ def test_graphs_split_for_two_threads_run_on_one_or_two(model, compiled, threads
     assert fast.eager_forwards == 0
 
 
-def test_a_block_longer_than_the_buckets_runs_eager_and_is_counted(model, compiled):
+def test_prompt_chunks_run_the_chunk_graph_from_an_empty_cache(model, compiled):
+    """A prompt fed in chunks of 9 to 16 tokens, the first into empty buffers, every position's logits kept (as for
+    prompt logprobs), and chunks the buckets take: logits, states and the cache equal the eager forwards', and
+    decoding goes on compiled; a chunk between the largest bucket and the chunk graph runs eager and is counted."""
+    eager, fast = TargetRunner(model, layout(model)), TargetRunner(model, layout(model), compiled=compiled)
+    a, b = eager.new_cache(), fast.new_cache()
+    prompt = (PROMPT * 4)[:46]
+    for start, end in ((0, 16), (16, 25), (25, 37), (37, 40), (40, 46)):  # 3 tokens: a bucket; 6: eager
+        chunk = prompt[start:end]
+        want, got = eager.prefill(a, chunk, keep_logits=len(chunk)), fast.prefill(b, chunk, keep_logits=len(chunk))
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.hidden, want.hidden, atol=1e-5, rtol=1e-5)
+        assert got.compiled == (len(chunk) != 6) and b.get_seq_length() == end
+    assert all(isinstance(layer, SlotLayer) for layer in b.layers) and fast.eager_forwards == 1
+    assert compiled.single_graph(16) == (GraphShape(9, (1, 1), 16), 16) and compiled.single_graph(3)[1] == 4
+    assert compiled.single_graph(6) is None and fast.compile_info()["chunk_tokens"] == list(CHUNK)
+    assert_hold_as_a_full_forward(model, fast, [b], [prompt])
+
+
+def test_a_forward_longer_than_the_chunk_graph_runs_eager_and_is_counted(model, compiled):
     eager, fast = TargetRunner(model), TargetRunner(model, compiled=compiled)
     a, b = eager.new_cache(), fast.new_cache()
     eager.prefill(a, PROMPT)
     fast.prefill(b, PROMPT)
-    block = [3, 4, 5, 6, 7, 8]
+    block = [3 + i for i in range(CHUNK[1] + 2)]
     longer = fast.verify(b, block[0], block[1:])
     torch.testing.assert_close(longer.logits, eager.verify(a, block[0], block[1:]).logits, atol=1e-5, rtol=1e-5)
-    assert fast.eager_forwards == 1 and not longer.compiled
+    assert fast.eager_forwards == 1 and not longer.compiled and compiled.single_graph(CHUNK[1] + 1) is None
     step = fast.verify(b, 9, [])
     torch.testing.assert_close(step.logits, eager.verify(a, 9, []).logits, atol=1e-5, rtol=1e-5)
     assert fast.eager_forwards == 1 and step.compiled  # and the cache goes on compiled
