@@ -52,7 +52,9 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..protocol.kinds import Refinement
 from ..protocol.messages import HiddenLayout, LinearStates, SamplingParams
+from ..models.compiled_decoder import compiled_decoder_for
 from ..models.cpu_linear import use_cpu_linears
+from ..models.loading import cache_root
 from ..spec.sampling import target_probs
 from ..spec.verification import in_nucleus
 from .budget import Plan, StepCosts, plan_round
@@ -154,8 +156,8 @@ class ForesightDrafter(BatchedForesight):
         # Columns of the decoder's input in the adapter's prediction [.., n_adapter * H], laid out alike.
         self._pred_decoder_cols = HiddenLayout(tuple(adapter_idx), hidden).columns([decoder.input_index])
         # The decoder passes through the indices above its input (final-normed last): see predict_rows.
-        self._decoder_keep = tuple(i for i in from_decoder if i != n_target)
-        decoder_states = [*self._decoder_keep, n_target]
+        self.decoder_keep = tuple(i for i in from_decoder if i != n_target)
+        decoder_states = [*self.decoder_keep, n_target]
         self._draft_sources = [("adapter", adapter_idx.index(i)) if i in adapter_idx
                                else ("decoder", decoder_states.index(i)) for i in model.config.target_layers]
         self._hidden = hidden
@@ -346,7 +348,7 @@ class ForesightDrafter(BatchedForesight):
                 pred = torch.cat([self.adapter.predict(a, tokens[g:g + 1].long(), n)
                                   for g, (a, n) in enumerate(zip(actxs, ns))])
             logits, dec_states = self.decoder.logits_and_hidden_many(
-                [state.decoder for state in states], pred[..., self._pred_decoder_cols], ns, keep=self._decoder_keep,
+                [state.decoder for state in states], pred[..., self._pred_decoder_cols], ns, keep=self.decoder_keep,
                 context_states=news, linear_states=[state.linear_states for state in states])
         except BaseException:
             for state, new, n in zip(states, news, ns):
@@ -499,9 +501,12 @@ def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineCon
     decoder_layers = torch.nn.ModuleList(decoder.layers)  # the target layers it runs (shared)
     for part, name in ((adapter, "adapter"), (decoder_layers, "foresight decoder")):
         use_cpu_linears(part, cfg.cpu_linear, cfg.drafter_device, name)
-    return ForesightDrafter(model, adapter, decoder, passes=cfg.draft_passes, cache_size=cfg.cache_size,
-                            refreshes=cfg.draft_refreshes, refinement=cfg.refinement,
-                            use_budget=cfg.foresight_budget, calibration=load_calibration(cfg, adapter_path))
+    drafter = ForesightDrafter(model, adapter, decoder, passes=cfg.draft_passes, cache_size=cfg.cache_size,
+                               refreshes=cfg.draft_refreshes, refinement=cfg.refinement,
+                               use_budget=cfg.foresight_budget, calibration=load_calibration(cfg, adapter_path))
+    compiled_decoder_for(decoder, drafter.decoder_keep, cfg.drafter_compile, cfg.drafter_device,
+                         cache_root() / "compiled", cfg.drafter_threads)
+    return drafter
 
 
 def load_calibration(cfg: EngineConfig, adapter_path: Path) -> Calibration | None:

@@ -42,6 +42,7 @@ from .speculation_cache import SpeculationCache
 from .strategies import auto_strategies, offered_strategies
 from ..control.costs import CostBySize, RunningCost
 from ..control.verify_length import VerifyLengthController
+from ..models.compiled_decoder import compiled_decoder_info
 from ..models.compiled_draft import compiled_draft_info
 
 log = logging.getLogger("foresight.drafter")
@@ -143,7 +144,8 @@ class DrafterWorker:
             "auto_strategies": auto_strategies(self.strategies),
             "decoder_layers": getattr(self.proposer, "decoder_layers", None),
             "calibration": calibration_source(self.proposer),
-            "compiled": compiled_draft_info(getattr(self.proposer, "model", None))}))
+            "compiled": compiled_draft_info(getattr(self.proposer, "model", None))
+            | compiled_decoder_info(getattr(self.proposer, "decoder", None))}))
         with self.heartbeats:
             self.loop()
 

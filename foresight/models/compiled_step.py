@@ -12,7 +12,7 @@ its bucket is padded (the padding's keys land past what the cache keeps; its out
 
 The graph writes the new keys/values into the request's buffers in place (at the fed positions) and attends to
 their first W columns, so the buffers must already hold the request's past in columns [0, T) and have room for the
-bucket (target_worker/slot_kv.py). A batched graph does the same for each row of batched buffers
+bucket (models/slot_kv.py). A batched graph does the same for each row of batched buffers
 (target_worker/batched_kv.py: row b holds request b's past), every row padded to the widest row's tokens. Which
 path a quantized target's linear layers take depends on their rows (requests x tokens): the weight-only kernel up
 to a few rows (int4: 8, int8: 2), a dense copy past them (models/weight_only.py). So the batched graphs are two:

@@ -46,6 +46,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from ..protocol.messages import LinearStates
+from .slot_kv import SlotLayer, slot_cache
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "HYBRID_MODEL_TYPES", "DecoderCache", "ForesightDecoder"]
 
@@ -111,6 +112,12 @@ class ForesightDecoder:
         self._head_rows = None if vocab_subset is None else self.lm_head.weight.detach()[self.vocab_subset].clone()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.compiled = None  # the compiled pass over one request's row (models/compiled_decoder.py), if built
+
+    def use_compiled(self, compiled) -> None:
+        """Run single-row passes through `compiled` (a `CompiledDecoder`); caches made from now on keep their keys
+        and values in place (`SlotLayer`s) for it."""
+        self.compiled = compiled
 
     @property
     def n_layers(self) -> int:
@@ -122,7 +129,19 @@ class ForesightDecoder:
         return self.first_layer
 
     def new_cache(self) -> DecoderCache:
-        return DecoderCache(kv=DynamicCache(config=self.config), first_layer=self.first_layer)
+        kv = DynamicCache(config=self.config)
+        return DecoderCache(kv=slot_cache(kv) if self.compiled is not None else kv, first_layer=self.first_layer)
+
+    def _compiled_takes(self, cache: DecoderCache, tokens: int, keep: tuple[int, ...] | None = None) -> bool:
+        """Whether the compiled pass serves a row of `tokens` positions after `cache`'s whole context, returning
+        the states at `keep` (None: none wanted, a context extension)."""
+        compiled = self.compiled
+        if compiled is None or not self.attention_layers:
+            return False
+        keep = compiled.keep if keep is None else keep
+        takes = compiled.takes(tokens, keep) and isinstance(cache.kv.layers[self.attention_layers[0]], SlotLayer)
+        compiled.eager_passes += not takes
+        return takes
 
     # -- context ---------------------------------------------------------------------------------
 
@@ -144,7 +163,9 @@ class ForesightDecoder:
                 raise ValueError(f"linear-attention state cannot be rolled back (context {length}, "
                                  f"extend at {start_pos})")
             cache.kv.crop(start_pos - length)  # negative count: drop the replaced tail
-        if states.shape[0]:
+        if states.shape[0] and self._compiled_takes(cache, states.shape[0]):
+            self.compiled.run(cache, states[None].to(self.device, self.dtype), start_pos, start_pos + states.shape[0])
+        elif states.shape[0]:
             positions = torch.arange(start_pos, start_pos + states.shape[0], device=self.device)[None]  # [1, n]
             self._layers(states, positions, cache.kv)  # fills cache.kv for the decoder layers
         cache.length = start_pos + states.shape[0]
@@ -258,6 +279,8 @@ class ForesightDecoder:
         m = [0 if new is None else new.shape[0] for new in news]  # new context positions per row
         past = [cache.length if new is not None or start is None else start
                 for cache, start, new in zip(caches, starts, news)]  # T_g
+        if g == 1 and past[0] == caches[0].length and self._compiled_takes(caches[0], m[0] + width, keep):
+            return self._compiled_row(caches[0], news[0], blocks[0])
         cols = max(m) + width  # W: positions fed per row, padding included
         x = blocks.to(device=self.device, dtype=self.dtype)
         if any(m):  # row g = [new_g; block_g; padding]
@@ -284,6 +307,17 @@ class ForesightDecoder:
             h, rows = take(h), [take(y) for y in rows]
         h = self.norm(h)  # [G, gamma+1, hidden]
         return self._head(h), torch.cat([*rows, h], dim=-1)
+
+    def _compiled_row(self, cache: DecoderCache, new: torch.Tensor | None, block: torch.Tensor):
+        """`logits_and_hidden_many` of one row after `cache`'s context through the compiled pass: new [m, hidden]
+        context states (or None) taken into the cache, then the block [width, hidden] scored ->
+        ([1, width, vocab] float32, [1, width, (len(keep) + 1) * hidden])."""
+        m = 0 if new is None else new.shape[0]
+        x = block if new is None else torch.cat([new.to(block), block])  # [m + width, hidden]
+        normed, kept = self.compiled.run(cache, x[None].to(self.device, self.dtype), cache.length, cache.length + m)
+        cache.length += m
+        normed, kept = normed[:, m:], kept[:, m:]  # the block's rows: [1, width, ...]
+        return self._head(normed), torch.cat([kept, normed], dim=-1)
 
     def score(self, cache: DecoderCache, block_states: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
         """p_hat(. | j) for every prefix j of the block: softmax of `logits` at temperature 1.

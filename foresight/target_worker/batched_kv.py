@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .slot_kv import SlotLayer
+from ..models.slot_kv import SlotLayer
 
 SPARE_COLUMNS = 64  # room for the next steps' positions before the batch is laid out again
 

@@ -18,7 +18,7 @@ from .batched_kv import BatchedKV, batchable
 from .linear_rollback import LinearSnapshot, LinearStateRollback
 from .logit_head import LOGIT_PRECISIONS, Fp32LogitHead, needs_fp32_head, soft_cap
 from .packed_step import PACKS_OVER, PackedStep, packed_attention
-from .slot_kv import slot_cache
+from ..models.slot_kv import slot_cache
 
 log = logging.getLogger("foresight.runner")
 

@@ -1,4 +1,4 @@
-"""Compiled steps (models/compiled_step.py, target_worker/slot_kv.py) against the eager forwards they replace, on
+"""Compiled steps (models/compiled_step.py, models/slot_kv.py) against the eager forwards they replace, on
 tiny Llama and Qwen3 models in fp32: logits and states of every block length with rollbacks of every length,
 batched steps in between (plain steps and verify blocks of several requests, compiled; wider or padded too far,
 eager), prompt chunks from an empty cache, greedy decoding in every mode, shapes beyond the graphs, the package cache
@@ -19,7 +19,7 @@ from foresight.models.compiled_step import (MAX_BATCH, MAX_PADDING, CompiledStep
 from foresight.protocol.messages import HiddenLayout
 from foresight.target_worker.packed_step import packed_attention
 from foresight.target_worker.runner import TargetRunner
-from foresight.target_worker.slot_kv import SlotLayer
+from foresight.models.slot_kv import SlotLayer
 from support.inprocess import InProcessEngine
 from support.oracle_proposer import OracleForesight
 from support.tiny_models import plain_greedy, tiny_model

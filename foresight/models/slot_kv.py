@@ -5,8 +5,9 @@ buffers with room for more positions: a forward writes its new positions after t
 grows; a rollback is `crop`, which shortens the view, and the next forward overwrites the rejected positions.
 What a layer holds is never rewritten, so references to its views stay valid snapshots (as with DynamicLayer).
 The buffers grow a page at a time (one copy of the past), and a layer whose views were handed to another
-tensor (a batched step lays every request out in one, batched_kv.py) moves back into buffers of its own at its
-next compiled step.
+tensor (a batched step lays every request out in one, target_worker/batched_kv.py; the foresight decoder's pass of
+several requests) moves back into buffers of its own at its next compiled step. The target's compiled steps and the
+foresight decoder's compiled pass keep their KV in them (models/compiled_step.py, models/compiled_decoder.py).
 """
 from __future__ import annotations
 
