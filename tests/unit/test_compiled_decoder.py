@@ -36,7 +36,7 @@ def decoders(target, tmp_path_factory):
     model, _ = target
     eager, fast = ForesightDecoder(model, 2), ForesightDecoder(model, 2)
     keep = (model.config.num_hidden_layers - 1,)
-    compiled = CompiledDecoder(fast, keep, tmp_path_factory.mktemp("compiled"))
+    compiled = CompiledDecoder(fast, keep, tmp_path_factory.mktemp("compiled"), autotune=False)
     compiled.build()
     fast.use_compiled(compiled)
     return eager, fast, keep
@@ -123,7 +123,7 @@ def test_pipelined_greedy_with_the_compiled_decoder_equals_plain_greedy(tmp_path
     model = tiny_model("llama")
     sequences = [p + plain_greedy(model, p, NEW, eos=model.config.eos_token_id) for p in PROMPTS]
     drafter = make_drafter(model, sequences, passes=1, cache_size=4, temperature=0.0)
-    compiled = compiled_decoder_for(drafter.decoder, drafter.decoder_keep, "on", "cpu", tmp_path)
+    compiled = compiled_decoder_for(drafter.decoder, drafter.decoder_keep, "on", "cpu", tmp_path, autotune=False)
     assert compiled is not None and drafter.decoder.compiled is compiled
     engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter,
                              foresight_to_completion=True)
@@ -136,6 +136,6 @@ def test_pipelined_greedy_with_the_compiled_decoder_equals_plain_greedy(tmp_path
     finally:
         engine.close()
     assert hits > 0 and compiled.passes > 0
-    assert compiled_decoder_info(drafter.decoder) == {"decoder_pass": True, "decoder_compile_s": compiled.compile_s,
-                                                      "decoder_loaded": 0}
+    info = compiled_decoder_info(drafter.decoder)
+    assert info == {"decoder_pass": True, "decoder_compile_s": round(compiled.compile_s, 1), "decoder_loaded": 0}
     assert compiled_decoder_info(None)["decoder_pass"] is False
