@@ -181,7 +181,7 @@ class ServerConfig:
     max_kv_tokens: int | None = None
     max_waiting: int = 64  # requests waiting for admission; beyond this the api answers 429
     # A worker's start: the first start of a compiled target compiles its graphs (~8.5 min measured on 2 cores)
-    startup_timeout_s: float = 900.0
+    startup_timeout_s: float = 1200.0
     max_restarts: int = 5  # per worker within restart_window_s; past that the api exits non-zero
     restart_window_s: float = 600.0
     # A worker whose heartbeats stop this long (stopped, frozen, dead) is hung: killed and restarted. Its

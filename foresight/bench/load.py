@@ -42,7 +42,7 @@ from ..protocol.kinds import Mode
 from .prompts import load_prompts, request_fields
 
 SERVER_MODULE = "foresight.cli"
-HEALTH_TIMEOUT_S = 900.0  # model loading on a slow machine, compiling the target's steps at a first start
+HEALTH_TIMEOUT_S = 1200.0  # model loading on a slow machine, compiling the target's steps at a first start
 STOP_GRACE_S = 40.0  # SIGTERM drains (--drain-timeout, 30 s by default), then the process group is killed
 REQUEST_TIMEOUT_S = 600.0  # longest wait for one read (the next chunk) of a request
 MAX_ERROR_EXAMPLES = 3

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .compiled_step import BufferWrites, causal_mask, compile_package, load_package, package_key, prune_stale
+from .compiled_step import (BufferWrites, built, causal_mask, compile_package, load_package, package_key,
+                            prune_stale)
 
 log = logging.getLogger("foresight.compiled_decoder")
 
@@ -174,11 +175,7 @@ def compiled_decoder_for(decoder, keep: tuple[int, ...], choice: str, device: st
             log.warning("foresight decoder: its pass runs eager: %s", refusal)
         return None
     compiled = CompiledDecoder(decoder, keep, cache_dir, threads, autotune)
-    try:
-        compiled.build()
-    except Exception as exc:  # noqa: BLE001 -- any compiler failure means eager, with the reason logged
-        log.warning("foresight decoder: compiling its pass failed, running it eagerly: %s: %s",
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+    if not built(compiled, "foresight decoder", "its pass"):
         return None
     decoder.use_compiled(compiled)
     log.info("foresight decoder: its pass over one request's row compiled for up to %d threads (%s)", threads,

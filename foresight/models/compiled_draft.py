@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .compiled_step import compile_package, load_package, package_key, prune_stale
+from .compiled_step import built, compile_package, load_package, package_key, prune_stale
 from .draft_model import ContextBatch, DraftModel
 
 log = logging.getLogger("foresight.compiled_draft")
@@ -151,11 +151,7 @@ def compiled_draft_for(model: DraftModel, choice: str, device: str, cache_dir: P
     if choice == "off" or refusal is not None:
         return False
     compiled = CompiledDraft(model, cache_dir, threads)
-    try:
-        compiled.build()
-    except Exception as exc:  # noqa: BLE001 -- any compiler failure means eager, with the reason logged
-        log.warning("draft model: compiling its block pass failed, running it eagerly: %s: %s",
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+    if not built(compiled, "draft model", "its block pass"):
         return False
     model.compiled = compiled
     log.info("draft model: block pass and context extension compiled for up to %d threads (%s)", threads,

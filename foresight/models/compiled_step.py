@@ -380,6 +380,18 @@ def compile_package(program, path: Path, threads: int, options: dict | None = No
     partial.replace(path)  # a killed compile leaves no half-written package behind
 
 
+def built(graphs, owner: str, what: str) -> bool:
+    """Whether `graphs.build()` (loading or compiling packages) succeeded; a failure is logged with its reason, and
+    what it would have compiled runs eager: a compiler problem never stops a worker."""
+    try:
+        graphs.build()
+    except Exception as exc:  # noqa: BLE001 -- any compiler failure means eager, with the reason logged
+        log.warning("%s: compiling %s failed, running eagerly: %s: %s", owner, what, type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "")
+        return False
+    return True
+
+
 def prune_stale(cache_dir: Path, keep_days: float = STALE_DAYS, now: float | None = None) -> list[Path]:
     """Delete the packages in `cache_dir` (the target's steps and the draft model's pass) no start has used for
     `keep_days` (each change of the model, the traced code, the threads or torch makes a new key and leaves the old
@@ -487,11 +499,7 @@ def compiled_step_for(model: nn.Module, choice: str, device: str, layers: tuple[
     step = CompiledStep(model, layers, step_buckets(block_size), cache_dir, autotune=serves_int4(model),
                         attention=attention, threads=threads, batch_ranges=batch_ranges(model) if batched else (),
                         block_tokens=block_size if batched else 0, chunk_tokens=chunk_tokens)
-    try:
-        step.build()
-    except Exception as exc:  # noqa: BLE001 -- any compiler failure means eager, with the reason logged
-        log.warning("%s: compiling the steps failed, running them eagerly: %s: %s", owner, type(exc).__name__,
-                    str(exc).splitlines()[0] if str(exc) else "")
+    if not built(step, owner, "the steps"):
         return None
     log.info("%s: steps of %s tokens, prompt chunks of %s and batched steps (tokens x requests) of %s compiled for "
              "up to %d threads (%.1f s compiling, %d of %d loaded from %s)", owner, "/".join(map(str, step.buckets)),

@@ -112,7 +112,7 @@ def start_server(log_dir: Path, extra_args: list[str] | None = None, port: int |
     """Start `foresight serve` on `port` (default: a free one), wait for /health 200, yield a LiveServer, stop it."""
     server = spawn_server(log_dir, extra_args, port)
     process, cmd = server.process, server.cmd
-    timeout_s = float(os.environ.get("FORESIGHT_TEST_SERVER_TIMEOUT", "900"))
+    timeout_s = float(os.environ.get("FORESIGHT_TEST_SERVER_TIMEOUT", "1200"))
     try:
         deadline = time.monotonic() + timeout_s
         while True:

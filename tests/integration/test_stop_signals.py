@@ -67,7 +67,7 @@ def test_sigterm_while_the_workers_load_stops_them_at_once_and_exits_0(server_sp
 
 def test_a_second_sigint_ends_the_drain_streams_get_an_error_and_done(server_spawner):
     server = server_spawner("--drain-timeout", "600")
-    pids = wait_health(server, 200, timeout_s=900)["workers"]
+    pids = wait_health(server, 200, timeout_s=1200)["workers"]
     everyone = [server.process.pid, pids["target"], pids["drafter"]]
     results = [dict() for _ in range(2)]
     started = [threading.Event() for _ in results]
