@@ -32,6 +32,10 @@ to its own cache's keys/values, right-padded to the longest context under a padd
 positions, and takes its request's new context states in the same pass; linear-attention layers start
 each row from a copy of its request's committed state. `logits_and_hidden` is the one-cache case.
 
+Compiled (models/compiled_decoder.py, `--drafter-compile`): a pass of one row after its cache's whole context (a
+round's new context states and block, a context extension) runs one AOTInductor graph, the cache's attention layers
+then `SlotLayer`s the graph writes into in place; every other pass stays as described here.
+
 Supported: full-attention layers that see the whole context (Llama, SmolLM2, Qwen3, and the gated
 attention of Qwen3.5 / Qwen3-Next), and the Gated DeltaNet layers of Qwen3.5 / Qwen3-Next. Sliding-
 window layers (Gemma3) would need a windowed cache and soft-capped heads their own head; both raise
