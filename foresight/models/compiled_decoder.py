@@ -25,6 +25,7 @@ from torch import nn
 
 from .compiled_step import (BufferWrites, built, causal_mask, compile_package, load_package, package_key,
                             prune_stale)
+from .slot_kv import no_keys
 
 log = logging.getLogger("foresight.compiled_decoder")
 
@@ -102,7 +103,7 @@ class CompiledDecoder:
         context ones; the rest were scratch) -> (final-normed states [1, W, hidden], kept [1, W, k * hidden])."""
         width = states.shape[1]
         layers = [cache.kv.layers[i] for i in self.decoder.attention_layers]
-        like = () if past else self.no_keys(states)
+        like = () if past else no_keys(self.decoder.config, states.dtype, states.device)
         buffers = [layer.room(past + width, *like) for layer in layers]  # (keys, values) [1, kv_heads, C, D]
         positions = torch.arange(past, past + width, device=states.device)[None]  # [1, W]
         normed, kept = self.graph(states, positions, causal_mask(past, width).to(states.device),
@@ -111,13 +112,6 @@ class CompiledDecoder:
             layer.hold(held)
         self.passes += 1
         return normed, kept
-
-    def no_keys(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Empty keys and values [1, kv_heads, 0, head_dim]: what a layer's first buffers are shaped after."""
-        config = self.decoder.config
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        empty = like.new_empty(1, config.num_key_value_heads, 0, dim)
-        return empty, empty
 
     def fingerprint(self) -> str:
         model = self.decoder.model

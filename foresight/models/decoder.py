@@ -320,10 +320,8 @@ class ForesightDecoder:
         x = block if new is None else torch.cat([new.to(block), block])  # [m + width, hidden]
         normed, kept = self.compiled.run(cache, x[None].to(self.device, self.dtype), cache.length, cache.length + m)
         cache.length += m
-        # The block's rows, [width, ...]: a [1, width, hidden] slice would keep the pass's batch stride, which sends
-        # the head's bf16 matrix product down a path ~10x slower on CPUs (measured with a 2-position offset).
-        normed, kept = normed[0, m:], kept[0, m:]
-        return self._head(normed)[None], torch.cat([kept, normed], dim=-1)[None]
+        normed, kept = normed[:, m:], kept[:, m:]  # the block's rows [1, width, ...]
+        return self._head(normed), torch.cat([kept, normed], dim=-1)
 
     def score(self, cache: DecoderCache, block_states: torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
         """p_hat(. | j) for every prefix j of the block: softmax of `logits` at temperature 1.
@@ -335,10 +333,13 @@ class ForesightDecoder:
     # -- internals --------------------------------------------------------------------------------
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head over normed states [..., hidden] -> float32 logits [..., vocab] (-inf outside the subset)."""
+        """LM head over normed states [..., hidden] -> float32 logits [..., vocab] (-inf outside the subset).
+        The product runs on a 2-D view: a slice [1, width, hidden] of a longer pass keeps that pass's batch stride,
+        which sends a bf16 product down a path ~10x slower on CPUs (measured with a 2-position offset)."""
         if self._head_rows is None:
-            return self.lm_head(h).float()
-        sub = torch.nn.functional.linear(h, self._head_rows).float()  # [..., V']
+            return self.lm_head(h.reshape(-1, h.shape[-1])).float().unflatten(0, h.shape[:-1])
+        sub = torch.nn.functional.linear(h.reshape(-1, h.shape[-1]), self._head_rows).float()
+        sub = sub.unflatten(0, h.shape[:-1])  # [..., V']
         out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         out[..., self.vocab_subset] = sub
         return out

@@ -65,6 +65,14 @@ class SlotLayer(DynamicLayer):
         self.keys, self.values = keys[:, :, :end], values[:, :, :end]
 
 
+def no_keys(config, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty keys and values [1, kv_heads, 0, head_dim] of a model with `config`: what an uninitialized
+    `SlotLayer`'s first buffers are shaped after (`room`)."""
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    empty = torch.empty(1, config.num_key_value_heads, 0, dim, dtype=dtype, device=device)
+    return empty, empty
+
+
 def slot_cache(cache: DynamicCache) -> DynamicCache:
     """`cache` with its plain full-attention layers made `SlotLayer`s (others, sliding or linear, stay)."""
     cache.layers = [SlotLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]

@@ -18,7 +18,7 @@ from .batched_kv import BatchedKV, batchable
 from .linear_rollback import LinearSnapshot, LinearStateRollback
 from .logit_head import LOGIT_PRECISIONS, Fp32LogitHead, needs_fp32_head, soft_cap
 from .packed_step import PACKS_OVER, PackedStep, packed_attention
-from ..models.slot_kv import slot_cache
+from ..models.slot_kv import no_keys, slot_cache
 
 log = logging.getLogger("foresight.runner")
 
@@ -158,7 +158,7 @@ class TargetRunner:
     def _forward_compiled(self, cache, tokens, keep_logits, shape, width) -> ForwardResult:
         """`_forward_model` through the compiled graph `shape`, tokens padded with their last to `width`."""
         past, fed = cache.get_seq_length(), len(tokens)
-        first = () if past else self._no_keys()  # a prompt's first chunk: the layers' first buffers
+        first = () if past else no_keys(self.config, self.model.dtype, self.device)  # a prompt's first chunk: the layers' first buffers
         buffers = [layer.room(past + width, *first) for layer in cache.layers]  # (keys, values) [1, kv_heads, C, D]
         ids = torch.tensor([tokens + tokens[-1:] * (width - fed)], dtype=torch.long, device=self.device)
         positions = torch.arange(past, past + width, device=self.device)[None]  # [1, width]
@@ -171,13 +171,6 @@ class TargetRunner:
         logits, head_input = self._logits_at(normed, None)  # the norm's input (the last layer's output) as it runs
         hidden = states[0, :fed] if self.layout.layers else None  # [fed, width]
         return ForwardResult(logits=logits, hidden=hidden, head_input=head_input, compiled=True)
-
-    def _no_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Empty keys and values [1, kv_heads, 0, head_dim] in the model's dtype: what a layer's first buffers are
-        shaped after."""
-        dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
-        empty = torch.empty(1, self.config.num_key_value_heads, 0, dim, dtype=self.model.dtype, device=self.device)
-        return empty, empty
 
     def prefill(self, cache: DynamicCache, prompt_ids: list[int], keep_logits: int = 1) -> ForwardResult:
         """Process the prompt; logits for its last `keep_logits` positions (by default the last only)."""
