@@ -1,15 +1,15 @@
-"""Does the compiled foresight decoder pay? Foresight's prediction time per round, eager against compiled.
+"""Do the compiled foresight adapter and decoder pay? Foresight's prediction time per round, eager against compiled.
 
     .venv/bin/python scripts/compiled_decoder.py [threads] [prompts] [limit] [bfloat16|float32]
 
 Loads the embedded default target as served in that dtype (bf16 by default; its GGUF's int4 weights where
 `--quantization auto` picks them; its steps eager: only the drafter's time is compared) and the shipped foresight
 drafter twice, as the drafter worker serves it (`make_proposer`), once with `--drafter-compile off` and once with
-`auto` (the draft model's pass and the decoder's pass compiled: models/compiled_decoder.py). Then replays
-speculative decoding over the prompts (`foresight eval-foresight`'s replay: T=0, block 8, 96 tokens), the two
-drafters taking the prompts in turn, and prints per drafter: the median prediction time of a round (the adapter
-and the decoder over the block under verification, with the round's new context states), the replayed hit rate
-at B = 1, 2, 4, and how many rounds the compiled decoder pass ran.
+`auto` (the draft model's pass, the adapter's prediction and the decoder's pass compiled: models/compiled_adapter.py,
+models/compiled_decoder.py). Then replays speculative decoding over the prompts (`foresight eval-foresight`'s replay:
+T=0, block 8, 96 tokens), the two drafters taking the prompts in turn, and prints per drafter: the median prediction
+time of a round (the adapter and the decoder over the block under verification, with the round's new context
+states), the replayed hit rate at B = 1, 2, 4, and how many passes the compiled adapter and decoder ran.
 """
 import statistics
 import sys
@@ -61,6 +61,9 @@ def main() -> None:
         print(f"{name:>8}: predict {predict:6.2f} ms a round (median of {rounds} rounds), hit rate {hits}", flush=True)
     if compiled is not None:
         print(f"compiled decoder passes: {compiled.passes} (single-row passes left eager: {compiled.eager_passes})")
+    adapter = drafters["compiled"].adapter.compiled
+    if adapter is not None:
+        print(f"compiled adapter predictions: {adapter.passes} (left eager: {adapter.eager_passes})")
 
 
 if __name__ == "__main__":

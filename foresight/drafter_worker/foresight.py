@@ -52,6 +52,7 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..protocol.kinds import Refinement
 from ..protocol.messages import HiddenLayout, LinearStates, SamplingParams
+from ..models.compiled_adapter import compiled_adapter_for
 from ..models.compiled_decoder import compiled_decoder_for
 from ..models.cpu_linear import use_cpu_linears
 from ..models.loading import cache_root
@@ -506,6 +507,8 @@ def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineCon
                                use_budget=cfg.foresight_budget, calibration=load_calibration(cfg, adapter_path))
     compiled_decoder_for(decoder, drafter.decoder_keep, cfg.drafter_compile, cfg.drafter_device,
                          cache_root() / "compiled", cfg.drafter_threads)
+    compiled_adapter_for(drafter.adapter, cfg.drafter_compile, cfg.drafter_device, cache_root() / "compiled",
+                         cfg.drafter_threads)
     return drafter
 
 

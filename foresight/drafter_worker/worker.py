@@ -42,6 +42,7 @@ from .speculation_cache import SpeculationCache
 from .strategies import auto_strategies, offered_strategies
 from ..control.costs import CostBySize, RunningCost
 from ..control.verify_length import VerifyLengthController
+from ..models.compiled_adapter import compiled_adapter_info
 from ..models.compiled_decoder import compiled_decoder_info
 from ..models.compiled_draft import compiled_draft_info
 
@@ -145,7 +146,8 @@ class DrafterWorker:
             "decoder_layers": getattr(self.proposer, "decoder_layers", None),
             "calibration": calibration_source(self.proposer),
             "compiled": compiled_draft_info(getattr(self.proposer, "model", None))
-            | compiled_decoder_info(getattr(self.proposer, "decoder", None))}))
+            | compiled_decoder_info(getattr(self.proposer, "decoder", None))
+            | compiled_adapter_info(getattr(self.proposer, "adapter", None))}))
         with self.heartbeats:
             self.loop()
 

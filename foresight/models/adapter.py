@@ -43,6 +43,7 @@ cos/sin cover the rotary dims only, and Qwen3.5's multimodal RoPE is plain RoPE 
 Serving keeps one `AdapterContext` per request. `predict_many` predicts the blocks of several requests in
 one pass (the foresight drafter's batch): their context keys/values right-padded to the longest and
 masked, each row at its own positions, linear-attention layers starting from each row's own state.
+With `--drafter-compile` a block of one row runs as a compiled graph (models/compiled_adapter.py).
 
 The checkpoint is a folder (config.json + model.safetensors, fp16); the token embedding and the RoPE
 frequencies come from the target at load time and are never stored.
@@ -174,6 +175,7 @@ class Adapter(nn.Module):
         shared = SharedWeights.from_target(target_model)
         self.register_buffer("embed_weight", shared.embed_weight, persistent=False)  # shared, frozen, not stored
         self.embed_scale = shared.embed_scale
+        self.compiled = None  # the compiled prediction of one request's block (models/compiled_adapter.py), if built
 
     # ------------------------------------------------------------------ construction / checkpoint
 
@@ -437,6 +439,8 @@ class Adapter(nn.Module):
             self._check_end(actx, start_pos, "cannot predict a block")
         tokens = tokens.to(self.device).long()
         g, l = tokens.shape
+        if self.compiled is not None and self.compiled.takes(g, l, starts[0]):
+            return self.compiled.run(actxs[0], tokens, starts[0])
         keys, values, states, ctx_mask = self._block_context(actxs, starts)  # ctx_mask [G, T]
         causal = torch.ones(l, l, dtype=torch.bool, device=self.device).tril()
         mask = torch.cat([ctx_mask[:, None, :].expand(g, l, -1), causal.expand(g, l, l)], dim=2)  # [G, L, T+L]

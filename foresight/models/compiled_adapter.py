@@ -1,0 +1,155 @@
+"""The foresight adapter's prediction compiled ahead of time with AOTInductor (CPU): one graph for one request's block.
+
+Each pipelined round the adapter (models/adapter.py) predicts the target's states of the block under verification
+from its tokens and the request's cached context keys/values. Eager, its stages (on the embedded default four copied
+target layers) spend about as long in Python and small ops (norms, rotary embedding, the mask, concatenations) as in
+their matrix products, on the drafter's one core while the target verifies: the time foresight then lacks to
+pre-draft. The graph takes one row: the block's tokens (1 to MAX_TOKENS) at the positions right after the context it
+continues, and the context's keys/values of every attention layer (1 to MAX_COLUMNS positions), symbolic sizes both;
+the mask and positions are made inside (the whole context, causal in the block). It returns the predicted states
+[1, L, n_idx * hidden].
+
+Blocks of several rows (several requests at once, a refresh's rows), a block at position 0, and adapters with
+linear-attention layers run eager. Extending a context (its keys/values of the new states) stays eager: one short
+pass a round. Packages share the target's cache folder (models/compiled_step.py) under a key of the weights, the
+stages, the code the trace runs through, torch and the CPU.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .compiled_step import built, compile_package, load_package, package_key, prune_stale
+
+log = logging.getLogger("foresight.compiled_adapter")
+
+# Modules whose code runs inside the traced graph (besides transformers'): a change recompiles.
+TRACED_MODULES = (__name__, "foresight.models.adapter", "foresight.models.adapter_layers",
+                  "foresight.models.draft_model", "foresight.models.cpu_linear")
+MAX_TOKENS = 256  # block positions of one row (a block is gamma + 1; a few blocks side by side at most)
+MAX_COLUMNS = 1 << 20  # context positions
+EXAMPLE_CONTEXT, EXAMPLE_TOKENS = 8, 3  # the trace's example sizes (never 1: the tracer would take it for a constant)
+
+
+class AdapterBody(nn.Module):
+    """What is compiled: the adapter's stages over one row's block, continuing its whole context."""
+
+    def __init__(self, adapter):
+        super().__init__()
+        self.adapter = adapter
+        self.layout = [len(stage) for stage in adapter.stages]
+
+    def forward(self, tokens, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        """tokens [1, L] at positions T..T+L-1; keys/values of every layer, stage by stage, [1, T, kv_heads, head_dim]
+        -> predicted states [1, L, n_idx * hidden]."""
+        context, width = keys[0].shape[1], tokens.shape[1]
+        positions = torch.arange(width, device=tokens.device)[None] + context  # [1, L]
+        columns = torch.arange(context + width, device=tokens.device)
+        mask = (columns[None, :] <= positions[0, :, None])[None]  # [1, L, T + L]: the whole context, causal after
+        nested_keys, nested_values, at = [], [], 0
+        for size in self.layout:
+            nested_keys.append(keys[at:at + size])
+            nested_values.append(values[at:at + size])
+            at += size
+        outs = self.adapter.run_stages(self.adapter.embed(tokens), nested_keys, nested_values, positions, mask)
+        return torch.cat(outs, dim=-1)
+
+
+class CompiledAdapter:
+    """An AOTInductor graph of `adapter`'s prediction of one row's block, built for `threads`."""
+
+    def __init__(self, adapter, cache_dir: Path, threads: int = 1, autotune: bool = True):
+        """`autotune`: inductor picks each matrix product's kernel by timing the candidates at compile time (as the
+        compiled decoder does: models/compiled_decoder.py)."""
+        self.adapter = adapter
+        self.cache_dir = cache_dir
+        self.threads = threads
+        self.autotune = autotune
+        self.graph = None
+        self.compile_s = 0.0  # seconds spent compiling (0 when the package came from the cache)
+        self.loaded = 0  # packages loaded from the cache
+        self.passes = 0  # predictions the graph ran
+        self.eager_passes = 0  # predictions it did not take (several rows, a block at position 0, too long a block)
+
+    def takes(self, rows: int, tokens: int, start: int) -> bool:
+        """Whether the graph serves `rows` rows of `tokens` tokens continuing a context of `start` positions."""
+        takes = rows == 1 and 1 <= tokens <= MAX_TOKENS and 1 <= start <= MAX_COLUMNS
+        self.eager_passes += not takes
+        return takes
+
+    def run(self, actx, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """tokens [1, L] continuing `actx` (an `AdapterContext`) at position `start` (its positions before it are
+        the context) -> predicted states [1, L, n_idx * hidden]."""
+        keys = [k[:start][None] for stage in actx.keys for k in stage]  # [1, T, kv_heads, head_dim] each
+        values = [v[:start][None] for stage in actx.values for v in stage]
+        self.passes += 1
+        return self.graph(tokens, keys, values)
+
+    def fingerprint(self) -> str:
+        adapter = self.adapter
+        return package_key(adapter, adapter.config.to_dict(), [self.threads, self.autotune], TRACED_MODULES)
+
+    def build(self) -> None:
+        """Load the package from the cache, compiling it first if it is missing."""
+        path = self.cache_dir / f"adapter-{self.fingerprint()}.pt2"
+        self.graph, seconds = load_package(path, lambda: self.compile(path), "the foresight adapter's prediction")
+        self.compile_s = seconds or 0.0
+        self.loaded = int(seconds is None)
+        prune_stale(self.cache_dir)
+
+    @torch.inference_mode()
+    def compile(self, path: Path) -> None:
+        """Trace the prediction (its block and context lengths symbolic) and compile it into `path`."""
+        adapter = self.adapter
+        layers = [layer for stage in adapter.stages for layer in stage]
+        dtype, device = adapter.dtype, adapter.device
+        tokens = torch.export.Dim("tokens", min=1, max=MAX_TOKENS)
+        context = torch.export.Dim("context", min=1, max=MAX_COLUMNS)
+        keys = [torch.zeros(1, EXAMPLE_CONTEXT, layer.kv_heads, layer.head_dim, dtype=dtype, device=device)
+                for layer in layers]
+        example = (torch.zeros(1, EXAMPLE_TOKENS, dtype=torch.long, device=device), keys, [k.clone() for k in keys])
+        per_layer = [{1: context}] * len(layers)
+        program = torch.export.export(AdapterBody(adapter), example, strict=False,
+                                      dynamic_shapes=({1: tokens}, per_layer, per_layer))
+        options = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"} if self.autotune else {}
+        compile_package(program, path, self.threads, options)
+
+
+def compile_adapter_refusal(adapter, device: str) -> str | None:
+    """Why `adapter` on `device` cannot run a compiled prediction (None: it can)."""
+    if device != "cpu":
+        return "the compiled adapter prediction is built for CPUs only (CUDA graphs are not built yet)"
+    if adapter.has_linear:
+        return "the compiled adapter prediction takes full-attention layers only"
+    return None
+
+
+def compiled_adapter_for(adapter, choice: str, device: str, cache_dir: Path, threads: int = 1,
+                         autotune: bool = True) -> CompiledAdapter | None:
+    """Give `adapter` its compiled prediction as `choice` ("auto", "on", "off": the drafter's `--drafter-compile`)
+    wants; the graph, or None where it stays eager (off, refused, or a build that failed: the reason is logged, a
+    compiler problem never stops the worker)."""
+    refusal = compile_adapter_refusal(adapter, device)
+    if choice == "off" or refusal is not None:
+        if choice == "on" and refusal is not None:
+            log.warning("foresight adapter: its prediction runs eager: %s", refusal)
+        return None
+    compiled = CompiledAdapter(adapter, cache_dir, threads, autotune)
+    if not built(compiled, "foresight adapter", "its prediction"):
+        return None
+    adapter.compiled = compiled
+    log.info("foresight adapter: its prediction of one request's block compiled for up to %d threads (%s)", threads,
+             "loaded from the cache" if compiled.loaded else f"{compiled.compile_s:.1f} s compiling")
+    return compiled
+
+
+def compiled_adapter_info(adapter) -> dict:
+    """What of the foresight adapter runs compiled (for the bench's report): whether its single-row prediction does,
+    the seconds spent compiling it at start-up and whether its package came from the cache."""
+    compiled = getattr(adapter, "compiled", None)
+    if compiled is None:
+        return {"adapter_pass": False, "adapter_compile_s": 0.0, "adapter_loaded": 0}
+    return {"adapter_pass": True, "adapter_compile_s": round(compiled.compile_s, 1), "adapter_loaded": compiled.loaded}
