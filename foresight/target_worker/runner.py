@@ -45,7 +45,7 @@ class TargetRunner:
         self.model = model
         self.compiled = compiled
         self.eager_forwards = 0  # with `compiled`: single-request forwards of more tokens than its buckets
-        self.eager_batches = 0  # with `compiled`: batched forwards run eager (a prompt chunk, too wide or padded)
+        self.eager_batches = 0  # with `compiled`: batched forwards run eager (too wide, padded, or with a chunk)
         self.config = model.config
         self.device = next(model.parameters()).device
         self.layout = layout or HiddenLayout()
@@ -186,6 +186,14 @@ class TargetRunner:
         attended with SDPA (what packed_sdpa reproduces)."""
         return (not self.has_sliding_layers and not self.linear and batchable(self.new_cache())
                 and self.config._attn_implementation == PACKS_OVER)
+
+    @property
+    def shares_chunks(self) -> bool:
+        """Whether a prompt's chunk should share a forward with other requests' verify blocks (`verify_batch`'s
+        `chunk`). Not with the prompt-chunk graph built: no graph takes a chunk and blocks together, and the two
+        graphs one after the other measure faster than one eager forward of both (scripts/chunk_beside_rounds.py,
+        docs/status.md)."""
+        return self.compiled is None or self.compiled.chunk_shape not in self.compiled.graphs
 
     @torch.inference_mode()
     def verify_batch(self, caches: list[DynamicCache], blocks: list[list[int]],

@@ -407,10 +407,11 @@ class TargetWorker:
             else:
                 state.waited_s += time.perf_counter() - t0  # prompt lookup: this round's own drafting
         # The verify blocks come first; the prompt gets what is left of the step's token budget. A prompt whose
-        # logprobs are wanted needs every position's logits: its chunk runs in a forward of its own.
+        # logprobs are wanted needs every position's logits, and compiled steps run a chunk faster alone: its
+        # chunk then runs in a forward of its own.
         budget = max(self.cfg.block_size, self.cfg.max_num_batched_tokens - sum(1 + len(r.draft) for r in rounds))
         shared = chunk_state if chunk_state is not None and chunk_state.request.sampling.prompt_logprobs is None \
-            else None
+            and self.runner.shares_chunks else None
         if self.batching and rounds and (len(rounds) > 1 or shared is not None):
             if self.run_batched(rounds, shared, budget):
                 rounds = []

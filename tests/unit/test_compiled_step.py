@@ -241,7 +241,7 @@ def test_batched_and_chunk_graphs_that_fail_to_compile_leave_those_forwards_eage
     with caplog.at_level(logging.WARNING, logger="foresight.compiled_step"):
         step.build()
     assert list(step.graphs) == [GraphShape(1)] and step.batch_graph(2) is None and step.batch_graph(2, 2) is None
-    assert step.single_graph(9) is None
+    assert step.single_graph(9) is None and TargetRunner(model, compiled=step).shares_chunks
     assert "injected compile failure of 9-12" in caplog.text and "injected compile failure of 1-2x2-64" in caplog.text
 
 
@@ -279,6 +279,24 @@ def test_prompt_chunks_run_the_chunk_graph_from_an_empty_cache(model, compiled):
     assert compiled.single_graph(16) == (GraphShape(9, (1, 1), 16), 16) and compiled.single_graph(3)[1] == 4
     assert compiled.single_graph(6) is None and fast.compile_info()["chunk_tokens"] == list(CHUNK)
     assert_hold_as_a_full_forward(model, fast, [b], [prompt])
+    assert not fast.shares_chunks and eager.shares_chunks  # a chunk runs apart from other requests' rounds
+
+
+def test_a_prompt_chunked_beside_another_requests_rounds_runs_its_own_graph(model, compiled):
+    """A second prompt arrives while the first request decodes: its chunks run the chunk graph in a forward of their
+    own, the first request's rounds their bucket's (no eager forward of both), and both outputs stay plain greedy."""
+    second = (PROMPT * 4)[:49]  # chunks of 15 tokens (the step's 16 less the other request's 1), then 4: a bucket
+    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=4, max_num_batched_tokens=16),
+                             compiled=compiled)
+    try:
+        got = engine.generate_all([PROMPT, second], 30, mode="ar", temperature=0.0)
+        runner = engine.target.runner
+    finally:
+        engine.close()
+    for prompt, result in zip([PROMPT, second], got):
+        assert result["error"] is None
+        assert result["tokens"] == plain_greedy(model, prompt, 30, eos=model.config.eos_token_id)
+    assert runner.eager_batches == 0 and runner.eager_forwards == 0
 
 
 def test_a_forward_longer_than_the_chunk_graph_runs_eager_and_is_counted(model, compiled):
