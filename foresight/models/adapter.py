@@ -43,7 +43,8 @@ cos/sin cover the rotary dims only, and Qwen3.5's multimodal RoPE is plain RoPE 
 Serving keeps one `AdapterContext` per request. `predict_many` predicts the blocks of several requests in
 one pass (the foresight drafter's batch): their context keys/values right-padded to the longest and
 masked, each row at its own positions, linear-attention layers starting from each row's own state.
-With `--drafter-compile` a block of one row runs as a compiled graph (models/compiled_adapter.py).
+With `--drafter-compile` a block of one row and a context's extension run as compiled graphs
+(models/compiled_adapter.py).
 
 The checkpoint is a folder (config.json + model.safetensors, fp16); the token embedding and the RoPE
 frequencies come from the target at load time and are never stored.
@@ -352,7 +353,8 @@ class Adapter(nn.Module):
         n = states.shape[0]
         states = states.to(self.device)[None]
         positions = torch.arange(start_pos, start_pos + n, device=self.device)[None]
-        keys, values = self.context_kv(states, positions)
+        compiled = self.compiled.context_kv(states, positions) if self.compiled is not None else None
+        keys, values = compiled if compiled is not None else self.context_kv(states, positions)
         cat = lambda old, new: (None if new is None  # noqa: E731
                                 else torch.cat([old[:start_pos], new[0]]) if start_pos else new[0])
         if actx.length:

@@ -1,4 +1,5 @@
-"""The foresight adapter's prediction compiled ahead of time with AOTInductor (CPU): one graph for one request's block.
+"""The foresight adapter compiled ahead of time with AOTInductor (CPU): a graph for one request's block, one for a
+context's extension.
 
 Each pipelined round the adapter (models/adapter.py) predicts the target's states of the block under verification
 from its tokens and the request's cached context keys/values. Eager, its stages (on the embedded default four copied
@@ -7,12 +8,12 @@ their matrix products, on the drafter's one core while the target verifies: the 
 pre-draft. The graph takes one row: the block's tokens (1 to MAX_TOKENS) at the positions right after the context it
 continues, and the context's keys/values of every attention layer (1 to MAX_COLUMNS positions), symbolic sizes both;
 the mask and positions are made inside (the whole context, causal in the block). It returns the predicted states
-[1, L, n_idx * hidden].
+[1, L, n_idx * hidden]. The second graph makes every attention layer's keys/values of a context's new true states
+(1 to MAX_CONTEXT_TOKENS of them: the round's, or a prompt's), which `Adapter.extend_context` appends to the context.
 
 Blocks of several rows (several requests at once, a refresh's rows), a block at position 0, and adapters with
-linear-attention layers run eager. Extending a context (its keys/values of the new states) stays eager: one short
-pass a round. Packages share the target's cache folder (models/compiled_step.py) under a key of the weights, the
-stages, the code the trace runs through, torch and the CPU.
+linear-attention layers run eager. Packages share the target's cache folder (models/compiled_step.py) under a key of
+the weights, the stages, the code the trace runs through, torch and the CPU.
 """
 from __future__ import annotations
 
@@ -31,7 +32,14 @@ TRACED_MODULES = (__name__, "foresight.models.adapter", "foresight.models.adapte
                   "foresight.models.draft_model", "foresight.models.cpu_linear")
 MAX_TOKENS = 256  # block positions of one row (a block is gamma + 1; a few blocks side by side at most)
 MAX_COLUMNS = 1 << 20  # context positions
+MAX_CONTEXT_TOKENS = 1 << 14  # new positions of one context extension (a whole prompt at a request's first round)
 EXAMPLE_CONTEXT, EXAMPLE_TOKENS = 8, 3  # the trace's example sizes (never 1: the tracer would take it for a constant)
+
+
+def by_stage(flat: list, layout: list[int]) -> list[list]:
+    """A list of one item per layer of the adapter, stage after stage -> one list per stage (`layout`: their sizes)."""
+    starts = [sum(layout[:s]) for s in range(len(layout))]
+    return [flat[start:start + size] for start, size in zip(starts, layout)]
 
 
 class AdapterBody(nn.Module):
@@ -49,13 +57,23 @@ class AdapterBody(nn.Module):
         positions = torch.arange(width, device=tokens.device)[None] + context  # [1, L]
         columns = torch.arange(context + width, device=tokens.device)
         mask = (columns[None, :] <= positions[0, :, None])[None]  # [1, L, T + L]: the whole context, causal after
-        nested_keys, nested_values, at = [], [], 0
-        for size in self.layout:
-            nested_keys.append(keys[at:at + size])
-            nested_values.append(values[at:at + size])
-            at += size
-        outs = self.adapter.run_stages(self.adapter.embed(tokens), nested_keys, nested_values, positions, mask)
+        outs = self.adapter.run_stages(self.adapter.embed(tokens), by_stage(keys, self.layout),
+                                       by_stage(values, self.layout), positions, mask)
         return torch.cat(outs, dim=-1)
+
+
+class ContextBody(nn.Module):
+    """What is compiled for a context extension: every attention layer's keys/values of the new true states."""
+
+    def __init__(self, adapter):
+        super().__init__()
+        self.adapter = adapter
+
+    def forward(self, states, positions):
+        """states [1, n, n_idx * hidden] (true states, target_indices order) at positions [1, n] -> the keys of every
+        layer, stage by stage, then their values, [1, n, kv_heads, head_dim] each."""
+        keys, values = self.adapter.context_kv(states, positions)
+        return [k for stage in keys for k in stage] + [v for stage in values for v in stage]
 
 
 class CompiledAdapter:
@@ -68,11 +86,14 @@ class CompiledAdapter:
         self.cache_dir = cache_dir
         self.threads = threads
         self.autotune = autotune
-        self.graph = None
-        self.compile_s = 0.0  # seconds spent compiling (0 when the package came from the cache)
+        self.graph = None  # the prediction
+        self.context_graph = None  # a context extension
+        self.layout = [len(stage) for stage in adapter.stages]
+        self.compile_s = 0.0  # seconds spent compiling (0 when the packages came from the cache)
         self.loaded = 0  # packages loaded from the cache
         self.passes = 0  # predictions the graph ran
         self.eager_passes = 0  # predictions it did not take (several rows, a block at position 0, too long a block)
+        self.extensions = 0  # context extensions the context graph ran
 
     def takes(self, rows: int, tokens: int, start: int) -> bool:
         """Whether the graph serves `rows` rows of `tokens` tokens continuing a context of `start` positions."""
@@ -88,16 +109,29 @@ class CompiledAdapter:
         self.passes += 1
         return self.graph(tokens, keys, values)
 
+    def context_kv(self, states: torch.Tensor, positions: torch.Tensor):
+        """`Adapter.context_kv` through the context graph: states [1, n, n_idx * hidden] at positions [1, n] -> per
+        stage, per layer, keys and values [1, n, kv_heads, head_dim]; None when it does not take n positions."""
+        if not 1 <= states.shape[1] <= MAX_CONTEXT_TOKENS:
+            return None
+        flat = self.context_graph(states.to(self.adapter.dtype), positions)
+        self.extensions += 1
+        half = len(flat) // 2
+        return by_stage(flat[:half], self.layout), by_stage(flat[half:], self.layout)
+
     def fingerprint(self) -> str:
         adapter = self.adapter
         return package_key(adapter, adapter.config.to_dict(), [self.threads, self.autotune], TRACED_MODULES)
 
     def build(self) -> None:
-        """Load the package from the cache, compiling it first if it is missing."""
-        path = self.cache_dir / f"adapter-{self.fingerprint()}.pt2"
+        """Load the two packages from the cache, compiling the missing ones first."""
+        key = self.fingerprint()
+        path, context_path = self.cache_dir / f"adapter-{key}.pt2", self.cache_dir / f"adapter-context-{key}.pt2"
         self.graph, seconds = load_package(path, lambda: self.compile(path), "the foresight adapter's prediction")
-        self.compile_s = seconds or 0.0
-        self.loaded = int(seconds is None)
+        self.context_graph, context_seconds = load_package(context_path, lambda: self.compile_context(context_path),
+                                                           "the foresight adapter's context extension")
+        self.compile_s = (seconds or 0.0) + (context_seconds or 0.0)
+        self.loaded = int(seconds is None) + int(context_seconds is None)
         prune_stale(self.cache_dir)
 
     @torch.inference_mode()
@@ -114,8 +148,22 @@ class CompiledAdapter:
         per_layer = [{1: context}] * len(layers)
         program = torch.export.export(AdapterBody(adapter), example, strict=False,
                                       dynamic_shapes=({1: tokens}, per_layer, per_layer))
-        options = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"} if self.autotune else {}
-        compile_package(program, path, self.threads, options)
+        compile_package(program, path, self.threads, self.options())
+
+    @torch.inference_mode()
+    def compile_context(self, path: Path) -> None:
+        """Trace a context extension (its number of new positions symbolic) and compile it into `path`."""
+        adapter = self.adapter
+        tokens = torch.export.Dim("tokens", min=1, max=MAX_CONTEXT_TOKENS)
+        width = len(adapter.stages) * adapter.config.hidden_size
+        example = (torch.zeros(1, EXAMPLE_TOKENS, width, dtype=adapter.dtype, device=adapter.device),
+                   torch.arange(EXAMPLE_CONTEXT, EXAMPLE_CONTEXT + EXAMPLE_TOKENS, device=adapter.device)[None])
+        program = torch.export.export(ContextBody(adapter), example, strict=False,
+                                      dynamic_shapes=({1: tokens}, {1: tokens}))
+        compile_package(program, path, self.threads, self.options())
+
+    def options(self) -> dict:
+        return {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"} if self.autotune else {}
 
 
 def compile_adapter_refusal(adapter, device: str) -> str | None:

@@ -1,8 +1,8 @@
-"""The foresight adapter's compiled prediction (models/compiled_adapter.py) against the eager adapter it replaces, on
-tiny Llama and Qwen3 targets in fp32: blocks after contexts of several lengths (extended, rolled back), blocks inside
-the context; predictions it does not take (several rows, a block at position 0) stay eager and equal; a failing
-compiler leaves the prediction eager; pipelined greedy decoding with the compiled adapter equals plain greedy
-decoding. Compiling costs ~10 s a model here: one build per model."""
+"""The foresight adapter's compiled prediction and context extension (models/compiled_adapter.py) against the eager
+adapter they replace, on tiny Llama and Qwen3 targets in fp32: contexts extended (a prompt, rounds, a rollback) and
+blocks predicted after them, blocks inside the context; predictions it does not take (several rows, a block at
+position 0) stay eager and equal; a failing compiler leaves the adapter eager; pipelined greedy decoding with the
+compiled adapter equals plain greedy decoding. Compiling costs ~20 s a model here: one build per model."""
 from __future__ import annotations
 
 import logging
@@ -49,20 +49,33 @@ def true_states(model, ids):
     return torch.cat([hidden[i][0] for i in INDICES], dim=-1)  # [T, n_idx * hidden]
 
 
+def assert_equal_contexts(got, want):
+    assert got.length == want.length
+    for got_layers, want_layers in zip(got.keys + got.values, want.keys + want.values):
+        for g, w in zip(got_layers, want_layers):
+            torch.testing.assert_close(g, w, atol=ATOL, rtol=ATOL)
+
+
 def test_compiled_predictions_equal_eager_ones_through_extensions_and_rollbacks(target, adapters):
+    """Contexts extended by the context graph (a prompt, rounds, a rollback), blocks predicted by the block graph."""
     model, ids = target
     eager, fast = adapters
     states = true_states(model, ids)
+    passes, extensions = fast.compiled.passes, fast.compiled.extensions
     context = eager.extend_context(eager.new_context(), states[:9], 0)
-    before = fast.compiled.passes
+    compiled_context = fast.extend_context(fast.new_context(), states[:9], 0)
     for extend_at, new, width in ((9, 3, 5), (12, 1, 1), (10, 6, 3), (16, 14, 9)):  # (10, ...): rolled back to 10
         context = eager.extend_context(context, states[extend_at:extend_at + new], extend_at)
+        compiled_context = fast.extend_context(compiled_context, states[extend_at:extend_at + new], extend_at)
+        assert_equal_contexts(compiled_context, context)
         tokens = ids[:, extend_at + new:extend_at + new + width]
-        torch.testing.assert_close(fast.predict(context, tokens), eager.predict(context, tokens), atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(fast.predict(compiled_context, tokens), eager.predict(context, tokens), atol=ATOL,
+                                   rtol=ATOL)
     inside = ids[:, 20:24]  # a block that starts inside the context (a refresh's anchor)
-    torch.testing.assert_close(fast.predict(context, inside, 20), eager.predict(context, inside, 20), atol=ATOL,
-                               rtol=ATOL)
-    assert fast.compiled.passes - before == 5 and fast.compiled.eager_passes == 0
+    torch.testing.assert_close(fast.predict(compiled_context, inside, 20), eager.predict(context, inside, 20),
+                               atol=ATOL, rtol=ATOL)
+    assert fast.compiled.passes - passes == 5 and fast.compiled.eager_passes == 0
+    assert fast.compiled.extensions - extensions == 5
 
 
 def test_predictions_the_graph_does_not_take_stay_eager_and_equal(target, adapters):
@@ -83,7 +96,7 @@ def test_predictions_the_graph_does_not_take_stay_eager_and_equal(target, adapte
     assert fast.compiled.passes == passes and fast.compiled.eager_passes == skipped + 4
 
 
-def test_a_failing_compiler_leaves_the_prediction_eager(target, tmp_path, monkeypatch, caplog):
+def test_a_failing_compiler_leaves_the_adapter_eager(target, tmp_path, monkeypatch, caplog):
     model, _ = target
     adapter = Adapter.from_target(model, INDICES)
 
@@ -122,3 +135,4 @@ def test_pipelined_greedy_with_the_compiled_adapter_equals_plain_greedy(tmp_path
     assert compiled.passes > 0
     info = compiled_adapter_info(drafter.adapter)
     assert info == {"adapter_pass": True, "adapter_compile_s": round(compiled.compile_s, 1), "adapter_loaded": 0}
+    assert compiled.extensions > 0
