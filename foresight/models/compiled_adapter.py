@@ -17,15 +17,13 @@ the weights, the stages, the code the trace runs through, torch and the CPU.
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .compiled_step import built, compile_package, load_package, package_key, prune_stale
-
-log = logging.getLogger("foresight.compiled_adapter")
+from .compiled_parts import AUTOTUNE, compiled_part, part_info
+from .compiled_step import compile_package, load_package, package_key, prune_stale
 
 # Modules whose code runs inside the traced graph (besides transformers'): a change recompiles.
 TRACED_MODULES = (__name__, "foresight.models.adapter", "foresight.models.adapter_layers",
@@ -163,7 +161,7 @@ class CompiledAdapter:
         compile_package(program, path, self.threads, self.options())
 
     def options(self) -> dict:
-        return {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"} if self.autotune else {}
+        return AUTOTUNE if self.autotune else {}
 
 
 def compile_adapter_refusal(adapter, device: str) -> str | None:
@@ -177,27 +175,15 @@ def compile_adapter_refusal(adapter, device: str) -> str | None:
 
 def compiled_adapter_for(adapter, choice: str, device: str, cache_dir: Path, threads: int = 1,
                          autotune: bool = True) -> CompiledAdapter | None:
-    """Give `adapter` its compiled prediction as `choice` ("auto", "on", "off": the drafter's `--drafter-compile`)
-    wants; the graph, or None where it stays eager (off, refused, or a build that failed: the reason is logged, a
-    compiler problem never stops the worker)."""
-    refusal = compile_adapter_refusal(adapter, device)
-    if choice == "off" or refusal is not None:
-        if choice == "on" and refusal is not None:
-            log.warning("foresight adapter: its prediction runs eager: %s", refusal)
-        return None
-    compiled = CompiledAdapter(adapter, cache_dir, threads, autotune)
-    if not built(compiled, "foresight adapter", "its prediction"):
-        return None
+    """Give `adapter` its compiled prediction and context extension as `choice` (the drafter's `--drafter-compile`)
+    wants (`compiled_part`); the graphs, or None where they stay eager."""
+    compiled = compiled_part(choice, compile_adapter_refusal(adapter, device), "foresight adapter",
+                             "its prediction and context extension",
+                             lambda: CompiledAdapter(adapter, cache_dir, threads, autotune))
     adapter.compiled = compiled
-    log.info("foresight adapter: its prediction of one request's block compiled for up to %d threads (%s)", threads,
-             "loaded from the cache" if compiled.loaded else f"{compiled.compile_s:.1f} s compiling")
     return compiled
 
 
 def compiled_adapter_info(adapter) -> dict:
-    """What of the foresight adapter runs compiled (for the bench's report): whether its single-row prediction does,
-    the seconds spent compiling it at start-up and whether its package came from the cache."""
-    compiled = getattr(adapter, "compiled", None)
-    if compiled is None:
-        return {"adapter_pass": False, "adapter_compile_s": 0.0, "adapter_loaded": 0}
-    return {"adapter_pass": True, "adapter_compile_s": round(compiled.compile_s, 1), "adapter_loaded": compiled.loaded}
+    """What of the foresight adapter runs compiled, for the bench's report (`part_info`)."""
+    return part_info(getattr(adapter, "compiled", None), "adapter_pass", "adapter_")

@@ -17,17 +17,14 @@ torch and the CPU.
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .compiled_step import (BufferWrites, built, causal_mask, compile_package, load_package, package_key,
-                            prune_stale)
+from .compiled_parts import AUTOTUNE, compiled_part, part_info
+from .compiled_step import BufferWrites, causal_mask, compile_package, load_package, package_key, prune_stale
 from .slot_kv import no_keys
-
-log = logging.getLogger("foresight.compiled_decoder")
 
 # Modules whose code runs inside the traced graph (besides transformers'): a change recompiles.
 TRACED_MODULES = (__name__, "foresight.models.compiled_step", "foresight.models.cpu_linear")
@@ -145,8 +142,7 @@ class CompiledDecoder:
         program = torch.export.export(DecoderBody(self.decoder, self.keep), example, strict=False,
                                       dynamic_shapes=({1: tokens}, {1: tokens}, {2: tokens, 3: columns}, buffers,
                                                       buffers))
-        options = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"} if self.autotune else {}
-        compile_package(program, path, self.threads, options)
+        compile_package(program, path, self.threads, AUTOTUNE if self.autotune else {})
 
 
 def compile_decoder_refusal(decoder, device: str) -> str | None:
@@ -160,27 +156,15 @@ def compile_decoder_refusal(decoder, device: str) -> str | None:
 
 def compiled_decoder_for(decoder, keep: tuple[int, ...], choice: str, device: str, cache_dir: Path,
                          threads: int = 1, autotune: bool = True) -> CompiledDecoder | None:
-    """Give `decoder` its compiled pass as `choice` ("auto", "on", "off": the drafter's `--drafter-compile`) wants;
-    the graph, or None where the pass stays eager (off, refused, or a build that failed: the reason is logged, a
-    compiler problem never stops the worker)."""
-    refusal = compile_decoder_refusal(decoder, device)
-    if choice == "off" or refusal is not None:
-        if choice == "on" and refusal is not None:
-            log.warning("foresight decoder: its pass runs eager: %s", refusal)
-        return None
-    compiled = CompiledDecoder(decoder, keep, cache_dir, threads, autotune)
-    if not built(compiled, "foresight decoder", "its pass"):
-        return None
-    decoder.use_compiled(compiled)
-    log.info("foresight decoder: its pass over one request's row compiled for up to %d threads (%s)", threads,
-             "loaded from the cache" if compiled.loaded else f"{compiled.compile_s:.1f} s compiling")
+    """Give `decoder` its compiled pass as `choice` (the drafter's `--drafter-compile`) wants (`compiled_part`); the
+    graph, or None where the pass stays eager."""
+    compiled = compiled_part(choice, compile_decoder_refusal(decoder, device), "foresight decoder", "its pass",
+                             lambda: CompiledDecoder(decoder, keep, cache_dir, threads, autotune))
+    if compiled is not None:
+        decoder.use_compiled(compiled)
     return compiled
 
 
 def compiled_decoder_info(decoder) -> dict:
-    """What of the foresight decoder runs compiled (for the bench's report): whether its single-row pass does, the
-    seconds spent compiling it at start-up and whether its package came from the cache."""
-    compiled = getattr(decoder, "compiled", None)
-    if compiled is None:
-        return {"decoder_pass": False, "decoder_compile_s": 0.0, "decoder_loaded": 0}
-    return {"decoder_pass": True, "decoder_compile_s": round(compiled.compile_s, 1), "decoder_loaded": compiled.loaded}
+    """What of the foresight decoder runs compiled, for the bench's report (`part_info`)."""
+    return part_info(getattr(decoder, "compiled", None), "decoder_pass", "decoder_")

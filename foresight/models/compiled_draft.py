@@ -16,16 +16,14 @@ runs through, torch and the CPU, so a second start loads the graphs in seconds.
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .compiled_step import built, compile_package, load_package, package_key, prune_stale
+from .compiled_parts import compiled_part, part_info
+from .compiled_step import compile_package, load_package, package_key, prune_stale
 from .draft_model import ContextBatch, DraftModel
-
-log = logging.getLogger("foresight.compiled_draft")
 
 # Modules whose code runs inside the traced graphs: a change recompiles.
 TRACED_MODULES = (__name__, "foresight.models.draft_model", "foresight.models.cpu_linear")
@@ -141,28 +139,18 @@ def compile_draft_refusal(device: str) -> str | None:
 
 
 def compiled_draft_for(model: DraftModel, choice: str, device: str, cache_dir: Path, threads: int = 1) -> bool:
-    """Give `model` its compiled block pass as `choice` ("auto", "on", "off") wants; True when it has one. "auto":
-    on a CPU. A build that fails logs why and leaves the pass eager: a compiler problem never stops the worker."""
+    """Give `model` its compiled block pass and context extension as `choice` ("auto", "on", "off") wants
+    (`compiled_part`; "on" where they cannot be built is a config error); True when it has them."""
     from ..config import ConfigError
 
     refusal = compile_draft_refusal(device)
     if choice == "on" and refusal is not None:
         raise ConfigError(f"drafter_compile: {refusal}")
-    if choice == "off" or refusal is not None:
-        return False
-    compiled = CompiledDraft(model, cache_dir, threads)
-    if not built(compiled, "draft model", "its block pass"):
-        return False
-    model.compiled = compiled
-    log.info("draft model: block pass and context extension compiled for up to %d threads (%s)", threads,
-             "loaded from the cache" if compiled.loaded else f"{compiled.compile_s:.1f} s compiling")
-    return True
+    model.compiled = compiled_part(choice, refusal, "draft model", "its block pass",
+                                   lambda: CompiledDraft(model, cache_dir, threads))
+    return model.compiled is not None
 
 
 def compiled_draft_info(model: DraftModel | None) -> dict:
-    """What of the drafter runs compiled (for the bench's report): whether the draft model's block pass does, the
-    seconds spent compiling it at start-up and whether its package came from the cache."""
-    compiled = getattr(model, "compiled", None)
-    if compiled is None:
-        return {"draft_pass": False, "compile_s": 0.0, "loaded": 0}
-    return {"draft_pass": True, "compile_s": round(compiled.compile_s, 1), "loaded": compiled.loaded}
+    """What of the drafter runs compiled, for the bench's report (`part_info`): the draft model's block pass."""
+    return part_info(getattr(model, "compiled", None), "draft_pass")
