@@ -60,6 +60,7 @@ def test_bench_report(tmp_path):
     assert report["modes"]["ar"]["compiled_rounds"] == (1.0 if compiled else None)
     assert report["machine"]["compiled_draft"]["draft_pass"] is True
     assert report["machine"]["compiled_draft"]["decoder_pass"] is True  # the shipped adapter: foresight's decoder
+    assert report["machine"]["compiled_draft"]["adapter_pass"] is True  # and its adapter
     assert report["modes"]["ar"]["tau"] == 1.0 and report["modes"]["ar"]["exposed_draft_ms_mean"] is None
     assert report["modes"]["ar"]["verified_drafts_mean"] == 0.0 and report["modes"]["sync"]["passes_mean"] is None
     assert report["modes"]["sync"]["exposed_draft_ms_mean"] is not None
