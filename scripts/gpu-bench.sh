@@ -39,9 +39,10 @@ if [ -f "$WORK/gpu-bench.json" ]; then
   "$PY" - "$OUT/gpu-bench.json" <<'EOF' 2>>"$LOG" | tee -a "$LOG"
 import json, sys
 report = json.load(open(sys.argv[1]))
+show = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
 for mode, row in report["modes"].items():
-    print(f"{mode}: {row['tokens_per_s']:.1f} tok/s, tau {row['tau']}, verify {row['verify_ms_mean']} ms a round, "
-          f"exposed drafting p50 {row['exposed_draft_ms_p50']} ms, hit rate {row['hit_rate']}")
+    print(f"{mode}: {show(row['tokens_per_s'])} tok/s, tau {show(row['tau'])}, verify {show(row['verify_ms_mean'])} ms "
+          f"a round, exposed drafting p50 {show(row['exposed_draft_ms_p50'])} ms, hit rate {show(row['hit_rate'])}")
 EOF
 fi
 log "done"
