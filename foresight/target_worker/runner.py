@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from ..models.compiled_step import CompiledStep, causal_mask
 from ..protocol.messages import HiddenLayout, LinearStates
+from .argmax_head import argmax_head_for
 from .batched_kv import BatchedKV, batchable
 from .linear_rollback import LinearSnapshot, LinearStateRollback
 from .logit_head import LOGIT_PRECISIONS, Fp32LogitHead, needs_fp32_head, soft_cap
@@ -57,6 +58,10 @@ class TargetRunner:
             raise ValueError(f"logits must be one of {LOGIT_PRECISIONS}, got {logits!r}")
         self.logit_precision = logits if needs_fp32_head(model) else "model"
         self.head = Fp32LogitHead(model) if self.logit_precision != "model" else None
+        # A compiled step of one greedy request decides by the argmax alone: an int8 head serves it (argmax_head.py).
+        self.argmax_head = argmax_head_for(self.head, self.device) \
+            if compiled is not None and self.logit_precision == "fp32-top" else None
+        self.argmax_rows = 0  # rows whose logits the int8 head computed
         self.last_batch: BatchedKV | None = None  # the last batched forward's KV layout, reused while it fits
 
     def compile_info(self) -> dict:
@@ -106,23 +111,24 @@ class TargetRunner:
 
     @torch.inference_mode()
     def forward(self, cache: DynamicCache, tokens: list[int], keep_logits: int | None = None,
-                rollback: bool = False) -> ForwardResult:
+                rollback: bool = False, argmax_only: bool = False) -> ForwardResult:
         """Feed `tokens` after what `cache` holds; return logits for the last `keep_logits` positions.
 
         `rollback`: the caller may crop some of these positions again (hybrid targets then snapshot
-        their linear-attention states first)."""
+        their linear-attention states first). `argmax_only`: only the argmax of each row of logits will be read
+        (the other entries may then be off by a bound: argmax_head.py)."""
         snap, hooks = self.linear.begin(cache) if (rollback and self.linear) else (None, [])
         try:
-            return self._forward(cache, tokens, keep_logits, snap)
+            return self._forward(cache, tokens, keep_logits, snap, argmax_only)
         finally:
             for handle in hooks:
                 handle.remove()
 
-    def _forward(self, cache, tokens, keep_logits, snap) -> ForwardResult:
+    def _forward(self, cache, tokens, keep_logits, snap, argmax_only: bool = False) -> ForwardResult:
         if self.compiled is not None and snap is None:  # new_cache: SlotLayers
             graph = self.compiled.single_graph(len(tokens))
             if graph is not None:
-                return self._forward_compiled(cache, tokens, keep_logits, *graph)
+                return self._forward_compiled(cache, tokens, keep_logits, *graph, argmax_only)
             self.eager_forwards += 1
             if self.eager_forwards == 1:
                 log.warning("a forward of %d tokens of one request runs eager: no compiled step takes it "
@@ -155,7 +161,7 @@ class TargetRunner:
             hidden = self.layout.concat(out.hidden_states)[0]  # [L, width]
         return ForwardResult(logits=logits, hidden=hidden, linear_snapshot=snap, head_input=head_input)
 
-    def _forward_compiled(self, cache, tokens, keep_logits, shape, width) -> ForwardResult:
+    def _forward_compiled(self, cache, tokens, keep_logits, shape, width, argmax_only: bool = False) -> ForwardResult:
         """`_forward_model` through the compiled graph `shape`, tokens padded with their last to `width`."""
         past, fed = cache.get_seq_length(), len(tokens)
         first = () if past else no_keys(self.config, self.model.dtype, self.device)  # a prompt's first chunk: the layers' first buffers
@@ -168,7 +174,7 @@ class TargetRunner:
             layer.hold(past + fed)  # the padding's keys stay beyond what the layer holds
         keep = keep_logits or fed
         normed = self.model.model.norm(last[:, fed - keep:fed])[0]  # [keep, hidden]; the fp32 head's hook captures
-        logits, head_input = self._logits_at(normed, None)  # the norm's input (the last layer's output) as it runs
+        logits, head_input = self._logits_at(normed, None, argmax_only)  # the norm's input (the last layer's output)
         hidden = states[0, :fed] if self.layout.layers else None  # [fed, width]
         return ForwardResult(logits=logits, hidden=hidden, head_input=head_input, compiled=True)
 
@@ -176,9 +182,10 @@ class TargetRunner:
         """Process the prompt; logits for its last `keep_logits` positions (by default the last only)."""
         return self.forward(cache, prompt_ids, keep_logits=keep_logits)
 
-    def verify(self, cache: DynamicCache, anchor: int, draft: list[int]) -> ForwardResult:
-        """Score `[anchor, d_1..d_gamma]`: row i is the target's distribution after d_i (row 0 after the anchor)."""
-        return self.forward(cache, [anchor, *draft], rollback=bool(draft))
+    def verify(self, cache: DynamicCache, anchor: int, draft: list[int], argmax_only: bool = False) -> ForwardResult:
+        """Score `[anchor, d_1..d_gamma]`: row i is the target's distribution after d_i (row 0 after the anchor);
+        `argmax_only` as `forward`'s."""
+        return self.forward(cache, [anchor, *draft], rollback=bool(draft), argmax_only=argmax_only)
 
     @property
     def batches_requests(self) -> bool:
@@ -266,13 +273,20 @@ class TargetRunner:
         return [ForwardResult(logits=lg, hidden=h, head_input=hi, compiled=True)
                 for lg, h, hi in zip(logits.split(lengths), hidden, head_inputs)]
 
-    def _logits_at(self, normed: torch.Tensor, select) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logits_at(self, normed: torch.Tensor, select, argmax_only: bool = False) -> tuple[torch.Tensor,
+                                                                                        torch.Tensor | None]:
         """[N, vocab] float32 logits from final-norm outputs `normed` [N, hidden] (of a batched forward, or the
         last positions of a compiled one), in this runner's logit precision (`select`: where they came from in a
         batched forward, for the fp32 head; None: the last N positions captured), and the fp32 final-norm output
-        behind them where they were refined ([N, hidden]; else None)."""
+        behind them where they were refined ([N, hidden]; else None). `argmax_only` (one row): the int8 head's
+        logits, exact at the argmax (argmax_head.py)."""
         if self.logit_precision == "fp32":
             return self.head.logits(len(normed), select), None
+        if argmax_only and self.argmax_head is not None and len(normed) == 1:
+            head_input = self.head.normed(1, select)
+            low, bounds = self.argmax_head.logits(normed, head_input)
+            self.argmax_rows += 1
+            return self.head.refine_normed(low, head_input, self.argmax_head.window(low, bounds)), head_input
         low = self.model.get_output_embeddings()(normed)  # [N, vocab]
         if self.logit_precision == "fp32-top":
             head_input = self.head.normed(len(normed), select)

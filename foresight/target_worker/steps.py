@@ -48,6 +48,14 @@ def verify_block(logits: torch.Tensor, draft: list[int], sampling, draws: Positi
                   rule=sampling.verification, theta=sampling.nucleus_threshold, draws=block)
 
 
+def decided_by_argmax(state: RequestState) -> bool:
+    """Whether a round of `state` reads only the argmax of each row of its logits: greedy, exact verification (the
+    nucleus gate reads the distribution), no logit rules, grammar or logprobs."""
+    sampling = state.request.sampling
+    return (sampling.temperature == 0 and sampling.verification == "exact" and sampling.logprobs is None
+            and state.rules is None and state.grammar is None)
+
+
 def ruled(state: RequestState, result, draft: list[int], head) -> torch.Tensor:
     """The request's logit rules (logit_rules.py) and grammar (grammar.py) applied to its round's logits
     `result.logits` [len(draft) + 1, vocab] (`decided_with`)."""

@@ -67,7 +67,8 @@ from .logit_rules import LogitRules
 from .logprobs import committed_logprobs, prompt_chunk_logprobs
 from .grammar import GrammarError, GrammarState, grammar_tokenizer
 from .shared_prefill import prefill_twins, take_prefill
-from .steps import RoundDrafts, StepPlan, drafter_seed, eos_ids, last_row, ruled, take_verdict, verify_block
+from .steps import (RoundDrafts, StepPlan, decided_by_argmax, drafter_seed, eos_ids, last_row, ruled, take_verdict,
+                    verify_block)
 from .strategy_choice import LOCAL_STRATEGIES, StrategyChooser, request_group, round_context
 
 log = logging.getLogger("foresight.target")
@@ -451,7 +452,7 @@ class TargetWorker:
 
     def verify_alone(self, r: RoundDrafts) -> None:
         t0 = time.perf_counter()
-        result = self.runner.verify(r.state.cache, r.state.anchor, r.draft)
+        result = self.runner.verify(r.state.cache, r.state.anchor, r.draft, argmax_only=decided_by_argmax(r.state))
         verify_s = time.perf_counter() - t0
         self.step_cost.observe(1 + len(r.draft), verify_s)
         self.finish_round(r, result, verify_s)
