@@ -69,14 +69,11 @@ class Fp32LogitHead:
         low-precision values."""
         return self.refine_normed(low, self.normed(low.shape[0], select))
 
-    def refine_normed(self, low: torch.Tensor, normed: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:
-        """`refine` given the final norm's fp32 output for those rows, normed [keep, hidden] (`normed`). `window`
-        [keep, vocab]: how far below its row's maximum each entry is recomputed (default: `window_rel` of the
-        maximum's magnitude, what covers the model's own head; the int8 head of argmax_head.py gives its own)."""
+    def refine_normed(self, low: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """`refine` given the final norm's fp32 output for those rows, normed [keep, hidden] (`normed`)."""
         out = low.float()
         top = out.max(-1, keepdim=True).values  # [keep, 1]
-        width = self.window_rel * top.abs() if window is None else window
-        return self._exact_at(out, out >= top - width, normed)
+        return self._exact_at(out, out >= top - self.window_rel * top.abs(), normed)
 
     def refine_ruled(self, logits: torch.Tensor, normed: torch.Tensor, rules) -> torch.Tensor:
         """`rules(logits)` (a request's logit rules: elementwise, row by row) where the rules moved the maximum:

@@ -284,9 +284,9 @@ class TargetRunner:
             return self.head.logits(len(normed), select), None
         if argmax_only and self.argmax_head is not None and len(normed) == 1:
             head_input = self.head.normed(1, select)
-            low, bounds = self.argmax_head.logits(normed, head_input)
+            low, columns = self.argmax_head.logits(normed, head_input)
             self.argmax_rows += 1
-            return self.head.refine_normed(low, head_input, self.argmax_head.window(low, bounds)), head_input
+            return self.head.exact_columns(low, columns, head_input), head_input
         low = self.model.get_output_embeddings()(normed)  # [N, vocab]
         if self.logit_precision == "fp32-top":
             head_input = self.head.normed(len(normed), select)

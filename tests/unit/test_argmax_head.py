@@ -48,11 +48,15 @@ def test_every_logit_lies_within_its_bound_and_the_argmax_is_the_fp32_heads(mode
         h = states(model.config.hidden_size, trial)
         low = h.bfloat16()
         exact = h @ fp32.weight.T  # [1, vocab]
-        logits, bounds = head.logits(low, h)
-        assert ((exact - logits.float()).abs() <= bounds).all(), trial
-        refined = fp32.refine_normed(logits, h, head.window(logits, bounds))
+        logits, columns = head.logits(low, h)
+        bounds = head.bounds(logits, low, h)  # [1, vocab] E_v
+        assert ((exact - logits).abs() <= bounds).all(), trial
+        top = int(logits.argmax())
+        wanted = (logits[0] >= logits[0, top] - bounds[0, top] - bounds[0]).nonzero()[:, 0]
+        assert torch.equal(columns[0].sort().values, wanted), trial  # the two passes find every qualifying column
+        refined = fp32.exact_columns(logits, columns, h)
         assert int(refined.argmax()) == int(exact.argmax()), trial
-        near_tie_errors += int(logits.float().argmax()) != int(exact.argmax())
+        near_tie_errors += int(logits.argmax()) != int(exact.argmax())
     assert near_tie_errors > 0  # the int8 logits alone pick another token now and then: the refinement decides
 
 
