@@ -15,19 +15,13 @@ from foresight.models.adapter import Adapter
 from foresight.models.compiled_adapter import (CompiledAdapter, compile_adapter_refusal, compiled_adapter_for,
                                                compiled_adapter_info)
 from support.inprocess import InProcessEngine
-from support.tiny_models import VOCAB, plain_greedy, tiny_model
+from support.tiny_models import plain_greedy, tiny_model
+from test_compiled_decoder import target  # noqa: F401 -- the fixture: tiny Llama and Qwen3 targets, 40 token ids
 from test_foresight import GAMMA, NEW, PROMPTS, make_drafter
 
 torch.set_num_threads(1)
 ATOL = 1e-5  # fp32: the graph fuses in another order
 INDICES = [1, 2]  # two stages, of 1 and 2 copied layers (target layers 0; 0 and 1)
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def target(request):
-    model = tiny_model(request.param, varied=True)
-    ids = torch.randint(0, VOCAB - 1, (1, 40), generator=torch.Generator().manual_seed(3))
-    return model, ids
 
 
 @pytest.fixture(scope="module")
