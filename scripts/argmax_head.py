@@ -21,7 +21,7 @@ from foresight.bench.prompts import load_prompts
 from foresight.models.compiled_step import CompiledStep, batch_ranges, step_buckets
 from foresight.models.cpu_linear import use_cpu_linears
 from foresight.models.int4_linear import serves_int4
-from foresight.models.loading import cache_root, load_target, load_tokenizer, resolve_target
+from foresight.models.loading import cache_root, load_target, load_tokenizer, resolve_dtype, resolve_target
 from foresight.models.quantization import apply_quantization
 from foresight.target_worker.packed_step import packed_attention
 from foresight.target_worker.runner import TargetRunner
@@ -37,7 +37,7 @@ def main() -> None:
     tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 64
     torch.set_num_threads(threads)
     path = resolve_target(None)
-    dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    dtype = resolve_dtype("auto", "cpu")  # the server's `--dtype auto`
     model = load_target(path, dtype, "cpu")
     apply_quantization(model, "auto", path, "cpu", "target")
     use_cpu_linears(model, "auto", "cpu", "target")
