@@ -111,7 +111,7 @@ def serve(args: argparse.Namespace, engine, early=None) -> int:
     import uvicorn
 
     from .protocol.leftovers import remove_own_folders
-    from .protocol.placement import pin_api
+    from .placement import pin_api
     from .server.app import create_app
     from .server.connections import header_timeout_protocol
     from .server.shutdown import DrainingServer

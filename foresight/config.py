@@ -75,7 +75,7 @@ class EngineConfig:
     # sync or hybrid block, during which the drafter waits for the outcome.
     borrow_drafter_threads: bool = True
     # CPU cores each worker process (and its threads) runs on, as a list like "0-3,8" ("" = not pinned); the api
-    # takes the cores left. Pinned workers never borrow each other's threads (protocol/placement.py).
+    # takes the cores left. Pinned workers never borrow each other's threads (placement.py).
     target_cores: str = ""
     drafter_cores: str = ""
     ngram_max: int = 4  # longest n-gram the prompt-lookup proposer matches

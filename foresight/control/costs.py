@@ -9,13 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COST_EMA = 0.2  # weight of the newest measurement
+from .rates import LineFit, ema
+
 PRIOR_WEIGHT = 2.0  # pseudo-measurements behind the line when shrinking a size's own estimate towards it
-
-
-def ema(old: float | None, seconds: float) -> float:
-    """The running estimate after measuring `seconds` (None: nothing measured before)."""
-    return seconds if old is None else old + COST_EMA * (seconds - old)
 
 
 @dataclass(slots=True)
@@ -31,18 +27,11 @@ class RunningCost:
 
 
 def fit_line(points: dict[int, float]) -> tuple[float, float]:
-    """Least-squares (a, b) of seconds = a + b * L over {L: seconds}; flat with one length, and flat when
-    the slope comes out negative (a longer verify is never cheaper: that is noise)."""
-    xs = list(points)
-    mean_x = sum(xs) / len(xs)
-    mean_y = sum(points.values()) / len(xs)
-    var = sum((x - mean_x) ** 2 for x in xs)
-    if var == 0:
-        return mean_y, 0.0
-    slope = sum((x - mean_x) * (points[x] - mean_y) for x in xs) / var
-    if slope < 0:
-        return mean_y, 0.0
-    return mean_y - slope * mean_x, slope
+    """Least-squares (a, b) of seconds = a + b * L over {L: seconds}, each length weighing one (`LineFit`)."""
+    line = LineFit()
+    for length, seconds in points.items():
+        line.add(length, seconds)
+    return line.fit()
 
 
 @dataclass(slots=True)

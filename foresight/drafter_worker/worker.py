@@ -34,7 +34,7 @@ from ..protocol.addresses import WorkerAddresses
 from ..protocol.kinds import Strategy
 from ..protocol.messages import DraftBlock, DrafterIdle, Outcome, ReleaseDraft, Shutdown, StartDraft, WorkerReady
 from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
-from ..protocol.placement import pin_worker
+from ..placement import pin_worker
 from ..protocol.sockets import MessageSocket
 from .ngram import NgramProposer
 from .proposer import Draft, DraftContext, Proposer
@@ -270,8 +270,7 @@ class DrafterWorker:
         self.send_to_target.send(DraftBlock(
             req_id=ctx.req_id, round=ctx.round, tokens=draft.tokens,
             cache_hit=(entry is not None) if ctx.pipelined else None,
-            passes=entry.passes if entry else 0, refreshes=entry.refreshes if entry else 0,
-            draft_s=time.perf_counter() - ask.started))
+            passes=entry.passes if entry else 0, refreshes=entry.refreshes if entry else 0))
         if ctx.pipelined and len(draft):
             self.jobs.append(ForesightJob(ctx.req_id, ctx.round, ask.max_drafts))
 

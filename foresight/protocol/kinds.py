@@ -40,6 +40,12 @@ class Strategy(_Kind):
     HYBRID = "hybrid"  # prompt lookup on a long match, else the draft model
 
 
+# Strategies the target runs without the drafter. Mode auto leaves "ar" out: "ngram" with its verify-length
+# controller is a plain step whenever lookup finds nothing worth verifying, so ar can only lose to it by the
+# lookup itself (well under a millisecond), and two near-equal rivals would cost exploring without end.
+LOCAL_STRATEGIES = (Strategy.AR, Strategy.NGRAM)
+
+
 class Mode(_Kind):
     """A request's mode: one strategy for every round, or `auto`."""
 

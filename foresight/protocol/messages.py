@@ -21,10 +21,7 @@ import torch
 
 from .kinds import Mode, Refinement, Strategy
 
-PROTOCOL_VERSION = 8  # 2: Outcome.strategy, RoundStats.strategy; StartDraft lost its mode. 3: DrafterIdle.
-# 4: Outcome.verify_share_s. 5: LinearStates in StartDraft and Outcome. 6: WorkerReady.layout (HiddenLayout) in
-# place of its info's hidden_layers and state_layers. 7: Outcome.catch_up. 8: logprobs (SamplingParams,
-# TokenOutput, TokenLogprobs) and SamplingParams.grammar
+PROTOCOL_VERSION = 9  # raised whenever a message kind or field changes: peers of another version refuse
 
 MESSAGE_TYPES: dict[str, type] = {}
 
@@ -258,6 +255,19 @@ class Heartbeat:
     stalled_s: float = 0.0  # seconds since the worker's loop last turned
 
 
+@message
+class ControllerStats:
+    """Sent by the target every CONTROLLER_STATS_S while it serves: its round planner's current figures
+    (`control/round_planner.py`), for Prometheus. Goodputs are committed tokens per second."""
+
+    KIND: ClassVar[str] = "controller"
+    auto_goodput: dict[str, float] = field(default_factory=dict)  # "class/strategy" -> mode auto's pooled estimate
+    auto_exploring: dict[str, float] = field(default_factory=dict)  # class -> share of its time trials cost
+    policy: str = ""  # the load policy running now ("": the worker does not batch requests)
+    load_level: int = 0  # the load level it counts for (0: a lone request, no policy)
+    policy_goodput: dict[str, float] = field(default_factory=dict)  # "level/policy" -> the policy's estimate
+
+
 # ---------------------------------------------------------------- target <-> drafter
 
 
@@ -346,10 +356,9 @@ class DraftBlock:
     req_id: str
     round: int
     tokens: list[int]  # the gamma draft tokens (may be fewer, or empty: no proposal)
-    cache_hit: bool | None = None
-    passes: int = 0
-    refreshes: int = 0
-    draft_s: float = 0.0
+    cache_hit: bool | None = None  # pipelined rounds: whether foresight had pre-drafted it
+    passes: int = 0  # refinement passes spent on it
+    refreshes: int = 0  # context refreshes spent on it
 
 
 @message

@@ -34,6 +34,7 @@ from ..protocol.errors import ProtocolError
 from ..protocol.leftovers import sweep_stale
 from ..protocol.messages import (
     AbortRequest,
+    ControllerStats,
     DrafterStatus,
     GenerateRequest,
     Heartbeat,
@@ -136,6 +137,7 @@ class EngineClient:
             WorkerReady: self.supervisor.on_ready,
             Heartbeat: self.supervisor.on_heartbeat,
             WorkerDead: self._on_dead,
+            ControllerStats: self._on_controllers,
         }
         self._publish_queue()  # the budget, from the first scrape
 
@@ -385,6 +387,10 @@ class EngineClient:
         queue = self.queues.get(msg.req_id)
         if queue is not None:
             queue.put_nowait(msg)
+
+    def _on_controllers(self, msg: ControllerStats) -> None:
+        if self.metrics is not None:
+            self.metrics.record_controllers(msg)
 
     def _on_failed(self, msg: RequestFailed) -> None:
         queue = self.queues.get(msg.req_id)

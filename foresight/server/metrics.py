@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from foresight.control.load_policy import POLICIES as LOAD_POLICIES
 from foresight.protocol.kinds import Strategy
-from foresight.protocol.messages import RoundStats
+from foresight.protocol.messages import ControllerStats, RoundStats
 
 PREFIX = "foresight_"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -91,6 +92,20 @@ class ServerMetrics:
         self._rounds_by_forward = counter("rounds_by_forward_total",
                                           "Verification rounds by how the target's forward ran: a compiled graph "
                                           "or eager (only with compiled steps).", "forward")
+        # the target's round planner (ControllerStats)
+        self._auto_goodput = gauge("auto_goodput_tokens_per_second",
+                                   "Mode auto's estimate of each strategy's goodput, pooled over a request class "
+                                   "(greedy or sampled).", "request_class", "strategy")
+        self._auto_exploring = gauge("auto_exploring_share",
+                                     "Share of a request class's time mode auto's trials of rival strategies cost.",
+                                     "request_class")
+        self._load_policy = gauge("load_policy", "1 for the load policy the target runs now (draft, lookup, plain).",
+                                  "policy")
+        self.load_level = gauge("load_level", "The load level the load policy counts for (about the running "
+                                "requests: 2, 4, 8, 16; 0: a lone request, no policy).").labels(m)
+        self._policy_goodput = gauge("load_policy_goodput_tokens_per_second",
+                                     "The load policy's estimate of each policy's throughput, by load level.",
+                                     "load_level", "policy")
         # workers
         self._worker_up = gauge("worker_up", "1 while the worker is alive and ready.", "worker")
         self._worker_restarts = counter("worker_restarts_total", "Worker restarts by the supervisor.", "worker")
@@ -108,6 +123,8 @@ class ServerMetrics:
             self._strategy_rounds.labels(m, strategy)
         for forward in FORWARDS:
             self._rounds_by_forward.labels(m, forward)
+        for policy in LOAD_POLICIES:
+            self._load_policy.labels(m, policy)
 
     # ------------------------------------------------------------ requests
 
@@ -166,6 +183,21 @@ class ServerMetrics:
             self.nucleus_extra.inc(stats.nucleus_extra)
         if stats.compiled is not None:
             self._rounds_by_forward.labels(self.model_name, FORWARDS[0] if stats.compiled else FORWARDS[1]).inc()
+
+    def record_controllers(self, stats: ControllerStats) -> None:
+        """The target's round planner's current figures."""
+        m = self.model_name
+        for key, rate in stats.auto_goodput.items():
+            request_class, strategy = key.split("/", 1)
+            self._auto_goodput.labels(m, request_class, strategy).set(rate)
+        for request_class, share in stats.auto_exploring.items():
+            self._auto_exploring.labels(m, request_class).set(share)
+        for policy in LOAD_POLICIES:
+            self._load_policy.labels(m, policy).set(1 if policy == stats.policy else 0)
+        self.load_level.set(stats.load_level)
+        for key, rate in stats.policy_goodput.items():
+            level, policy = key.split("/", 1)
+            self._policy_goodput.labels(m, level, policy).set(rate)
 
     # ------------------------------------------------------------ workers
 

@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..protocol.kinds import Mode, Strategy
-from ..protocol.messages import GenerateRequest, TokenLogprobs
+from ..protocol.kinds import LOCAL_STRATEGIES, Mode, Strategy
+from ..protocol.messages import DraftBlock, GenerateRequest, TokenLogprobs
 from .grammar import GrammarState
 from .logit_rules import LogitRules
 from ..spec.sampling import PositionDraws
-from .strategy_choice import LOCAL_STRATEGIES, RequestChoice
+from ..control.strategy_choice import RequestChoice
 
 
 @dataclass(slots=True)
@@ -30,7 +30,7 @@ class RequestState:
     drafting: bool = False
     strategy: Strategy = Strategy.AR  # how the current round runs: the mode, or auto's choice
     choice: RequestChoice | None = None  # mode auto: this request's side of the strategy choice
-    block: list[int] | None = None  # drafts received for `round`
+    block: DraftBlock | None = None  # the drafter's block for `round` (its drafts cut to what the round may verify)
     # Tokens committed (and their target states [n, n_layers * hidden]) that the drafter has not been told of:
     # rounds it did not draft, which are reported in one Outcome when a round next asks it for a block, so
     # that a run of plain / prompt-lookup rounds never wakes the drafter.
@@ -44,9 +44,6 @@ class RequestState:
     foreseen: int = 0
     catch_up_round: int = 0  # the round of the catch-up Outcome the drafter has not answered yet (0: none)
     held_for_catch_up: bool = False  # the current round runs prompt lookup until that answer (worker.py)
-    block_cache_hit: bool | None = None
-    block_passes: int = 0
-    block_refreshes: int = 0
     last_verify_s: float = 0.0  # the drafter's foresight budget for the next round
     # The target's time this request's rounds consumed (mode auto's price of a round): the idle time of the
     # target while it waited for this request's block (shared with others waiting), then its own part of
@@ -94,8 +91,6 @@ class RequestState:
         self.block = None
         self.drafter_winding_down = self.catch_up_round = 0
         self.held_for_catch_up = False
-        self.block_cache_hit = None
-        self.block_passes = self.block_refreshes = 0
 
     @property
     def positions(self) -> int:
@@ -110,6 +105,6 @@ class RequestState:
     def tokens_left(self) -> int:
         return self.request.max_tokens - len(self.output_ids)
 
-    def take_block(self) -> list[int]:
-        block, self.block = self.block or [], None
+    def take_block(self) -> DraftBlock | None:
+        block, self.block = self.block, None
         return block

@@ -24,7 +24,7 @@ def _drafting_for(s: RequestState) -> bool:
     """Is the drafter drafting a block this request waits for, or running foresight beside its pipelined
     verification (its block arrived; foresight runs until the outcome)? A pipelined block without drafts
     queues no foresight (the verify-length controller chose a plain step): the drafter idles."""
-    foresight = s.strategy == Strategy.PIPELINED and bool(s.block)
+    foresight = s.strategy == Strategy.PIPELINED and s.block is not None and bool(s.block.tokens)
     return s.prefilled and s.awaits_block() and (s.block is None or foresight)
 
 

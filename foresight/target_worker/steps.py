@@ -7,6 +7,7 @@ from functools import partial
 
 import torch
 
+from ..protocol.messages import DraftBlock
 from .logit_rules import LogitRules
 from .request_state import RequestState
 from ..spec.sampling import PositionDraws
@@ -35,8 +36,13 @@ class RoundDrafts:
 
     state: RequestState
     draft: list[int]
-    with_drafts: bool  # a block from the drafter (else the target's own: none, or prompt lookup)
+    block: DraftBlock | None  # the drafter's block the drafts come from (None: the target's own, none or lookup)
     exposed: float | None  # seconds the target waited for that block
+
+    @property
+    def with_drafts(self) -> bool:
+        """Does the round verify a block from the drafter?"""
+        return self.block is not None
 
 
 def verify_block(logits: torch.Tensor, draft: list[int], sampling, draws: PositionDraws, position: int) -> Verdict:

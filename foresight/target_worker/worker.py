@@ -11,8 +11,8 @@ instead of waiting; they stay on plain steps until they end, because a restarted
 drafter has lost their contexts. Requests that start once it is back (`DrafterStatus(up=True)`) draft.
 
 Each round of a request runs one strategy (`protocol.kinds.Strategy`), named in the `Outcome` that asks for its
-block: the request's mode, or in mode `auto` the one `strategy_choice.StrategyChooser` picks from the
-goodput measured so far. Two strategies need no drafter: "ar" (a plain step) and "ngram" (prompt lookup,
+block: the one the round planner decides (`control/round_planner.py`: the request's mode, or in mode `auto` the
+best measured goodput, unless load or a catch-up holds the round to the target). Two strategies need no drafter: "ar" (a plain step) and "ngram" (prompt lookup,
 run here: `local_lookup.py`). An `auto` round that runs one of them still tells the drafter its outcome
 (so the drafter's context stays current) but waits for no block.
 """
@@ -22,15 +22,17 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from dataclasses import replace
 
 import torch
 import zmq
 
 from ..config import EngineConfig
 from ..protocol.addresses import WorkerAddresses
-from ..protocol.kinds import Mode, Strategy
+from ..protocol.kinds import LOCAL_STRATEGIES, Mode, Strategy
 from ..protocol.messages import (
     AbortRequest,
+    ControllerStats,
     DraftBlock,
     DrafterIdle,
     DrafterStatus,
@@ -47,7 +49,7 @@ from ..protocol.messages import (
     WorkerReady,
 )
 from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
-from ..protocol.placement import pin_worker
+from ..placement import pin_worker
 from ..protocol.sockets import MessageSocket
 from ..protocol.transport import default_transport
 from ..models.compiled_step import compiled_step_for
@@ -57,11 +59,9 @@ from ..models.loading import cache_root, load_target, load_tokenizer, resolve_dt
 from .packed_step import packed_attention
 from .small_attention import SMALL_QUERY
 from ..spec.sampling import PositionDraws
-from .load_policy import LoadPolicy
 from .local_lookup import LocalLookup
 from .request_state import RequestState
 from .runner import TargetRunner
-from .step_cost import StepCost
 from .step_threads import StepThreads, drafter_busy, winding_down_only
 from .logit_rules import LogitRules
 from .logprobs import committed_logprobs, prompt_chunk_logprobs
@@ -69,16 +69,13 @@ from .grammar import GrammarError, GrammarState, grammar_tokenizer
 from .shared_prefill import prefill_twins, take_prefill
 from .steps import (RoundDrafts, StepPlan, decided_by_argmax, drafter_seed, eos_ids, last_row, ruled, take_verdict,
                     verify_block)
-from .strategy_choice import LOCAL_STRATEGIES, StrategyChooser, request_group, round_context
+from ..control.round_planner import RoundPlanner
 
 log = logging.getLogger("foresight.target")
 
 IDLE_POLL_MS = 100
 WIND_DOWN_WAIT_MS = 2  # see drafter_still_busy
-# Mode auto switching to "pipelined" with at least this many positions its adapter and decoder have not taken
-# in runs prompt lookup until the drafter has caught up on them (`held_for_catch_up`); fewer, the first
-# foresight job takes them within its round (fp32, 2-core CPU: 16 positions of the 15-layer decoder ~40 ms).
-CATCH_UP_MIN = 16
+CONTROLLER_STATS_S = 1.0  # how often the round planner's figures go to the api (ControllerStats) while serving
 # What the api hears of an unexpected failure; the details go to this worker's log with the request id.
 INTERNAL_ERROR = "internal error in the target worker"
 # What a prompt-lookup drafter offers (`drafter_worker.strategies`); the drafter reports its own in WorkerReady.
@@ -99,17 +96,15 @@ class TargetWorker:
         offered = tuple(Strategy.parse(s, "strategies") for s in strategies)
         self.strategies = LOCAL_STRATEGIES + tuple(s for s in offered if s not in LOCAL_STRATEGIES)
         auto = tuple(Strategy.parse(s, "auto_strategies") for s in auto_strategies)
-        self.chooser = StrategyChooser((Strategy.NGRAM, *auto))  # the drafter's own + local lookup
         self.lookup = LocalLookup(cfg)
-        self.step_cost = StepCost()  # what each request's part of a batched step costs
         self.runner = runner
         self.batching = cfg.batched_steps and runner.batches_requests
         if cfg.batched_steps and not self.batching:
             log.info("batched steps off: the target has sliding-window or linear-attention layers, whose caches "
                      "cannot share a packed forward, or attends with %r rather than SDPA; one request per forward",
                      runner.config._attn_implementation)
-        self.policy = LoadPolicy() if self.batching else None  # whether rounds may draft under load
-        self.step_tokens, self.step_ended = 0, time.perf_counter()  # tokens committed in the step; its end
+        self.planner = RoundPlanner(auto, cfg.hybrid_min_match, self.batching)  # what each round runs
+        self.stats_sent_at, self.stats_pending = 0.0, False  # when the last ControllerStats went; steps since
         self.prefills_shared = 0  # requests that started from another's prefill of the same prompt
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
@@ -154,6 +149,7 @@ class TargetWorker:
             self.drain(self.recv_from_drafter)
             plan = self.plan_step()
             if plan is None:
+                self.report_controllers(idle=True)
                 t0 = time.perf_counter()
                 self.poller.poll(IDLE_POLL_MS)
                 self.charge_idle(time.perf_counter() - t0)
@@ -164,15 +160,17 @@ class TargetWorker:
                 for state in plan.rounds:  # a switch's wait for DrafterIdle is its rounds' time
                     state.waited_s += (time.perf_counter() - t0) / len(plan.rounds)
             self.run_step(plan)
-            self.observe_load()
+            self.planner.step_done(s.mode for s in self.requests.values())
+            self.stats_pending = True
+            self.report_controllers()
 
-    def observe_load(self) -> None:
-        """Tell the load policy what the step (and the idle time before it) committed."""
+    def report_controllers(self, idle: bool = False) -> None:
+        """The round planner's figures to the api (for Prometheus), when steps ran since the last report: every
+        CONTROLLER_STATS_S while serving, and as the worker goes idle."""
         now = time.perf_counter()
-        if self.policy is not None:
-            contested = any(s.mode != Mode.AR for s in self.requests.values())  # else every policy is plain steps
-            self.policy.observe(len(self.requests), contested, self.step_tokens, now - self.step_ended)
-        self.step_tokens, self.step_ended = 0, now
+        if self.stats_pending and (idle or now - self.stats_sent_at >= CONTROLLER_STATS_S):
+            self.send_to_api.send(self.planner.stats())
+            self.stats_sent_at, self.stats_pending = now, False
 
     def charge_idle(self, seconds: float) -> None:
         """The target idled `seconds`: a cost of the rounds whose blocks it waited for, shared among them."""
@@ -306,10 +304,7 @@ class TargetWorker:
         state = self.requests.get(block.req_id)
         if state is None or not state.awaits_block() or block.round != state.round or state.block is not None:
             return  # stale: an older round, a request that ended or went on without the drafter
-        state.block = block.tokens[: self.max_drafts(state)]
-        state.block_cache_hit = block.cache_hit
-        state.block_passes = block.passes
-        state.block_refreshes = block.refreshes
+        state.block = replace(block, tokens=block.tokens[: self.max_drafts(state)])
         state.block_received_at = time.perf_counter()
 
     def on_drafter_idle(self, msg: DrafterIdle) -> None:
@@ -373,11 +368,7 @@ class TargetWorker:
                 req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.draws.seed),
                 temperature=req.sampling.temperature, refinement=req.refinement, hidden=hidden,
                 sampling=req.sampling, linear_states=self.runner.linear_states(state.cache, state.prefill_pos)))
-        if state.mode == Mode.AUTO and state.drafting:
-            state.choice = self.chooser.start(request_group(req.sampling.temperature),
-                                              self.round_context(req.prompt_ids + [verdict.token]))
-        elif state.mode == Mode.AUTO:
-            state.strategy = Strategy.NGRAM  # no drafter: the one strategy auto has left
+        self.planner.start(state, req.sampling.temperature, req.prompt_ids + [verdict.token])
         self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True, logprobs=logprobs)
 
     def finish_unstarted(self, state: RequestState) -> None:
@@ -436,8 +427,7 @@ class TargetWorker:
             return False
         verify_s = time.perf_counter() - t0
         lengths = [len(block) for block in blocks] + ([len(chunk)] if chunk_state is not None else [])
-        self.step_cost.observe(sum(lengths), verify_s)
-        for r, result, share_s in zip(rounds, results, self.step_cost.shares(lengths, verify_s)):
+        for r, result, share_s in zip(rounds, results, self.planner.shares(lengths, verify_s)):
             self.guarded(r.state, self.finish_round, r, result, verify_s, share_s)
         if chunk_state is not None:
             self.guarded(chunk_state, self.chunk_done, chunk_state, chunk, results[-1])
@@ -445,16 +435,16 @@ class TargetWorker:
 
     def round_drafts(self, state: RequestState) -> RoundDrafts:
         """The drafts a round verifies: the drafter's block, or the target's own (none, or prompt lookup)."""
-        with_drafts = state.awaits_block()
-        draft = state.take_block() if with_drafts else self.local_drafts(state)
-        exposed = state.block_received_at - state.outcome_sent_at if with_drafts else None
-        return RoundDrafts(state, draft, with_drafts, exposed)
+        if not state.awaits_block():
+            return RoundDrafts(state, self.local_drafts(state), None, None)
+        block = state.take_block()
+        return RoundDrafts(state, block.tokens, block, state.block_received_at - state.outcome_sent_at)
 
     def verify_alone(self, r: RoundDrafts) -> None:
         t0 = time.perf_counter()
         result = self.runner.verify(r.state.cache, r.state.anchor, r.draft, argmax_only=decided_by_argmax(r.state))
         verify_s = time.perf_counter() - t0
-        self.step_cost.observe(1 + len(r.draft), verify_s)
+        self.planner.shares([1 + len(r.draft)], verify_s)  # alone, the round pays the whole forward
         self.finish_round(r, result, verify_s)
 
     def finish_round(self, r: RoundDrafts, result, verify_s: float, share_s: float | None = None) -> None:
@@ -469,10 +459,11 @@ class TargetWorker:
         state.verify_share_s = share_s
         share_s = verify_s if share_s is None else share_s
         state.round_cost_s, state.waited_s = state.waited_s + share_s, 0.0
+        block = r.block
         stats = RoundStats(drafted=len(draft), accepted=verdict.accepted, nucleus_extra=verdict.nucleus_extra,
                            verify_s=verify_s, exposed_draft_s=r.exposed,
-                           cache_hit=state.block_cache_hit, passes=state.block_passes,
-                           refreshes=state.block_refreshes, strategy=state.strategy,
+                           cache_hit=block.cache_hit if block else None, passes=block.passes if block else 0,
+                           refreshes=block.refreshes if block else 0, strategy=state.strategy,
                            compiled=result.compiled if self.runner.compiled is not None else None)
         if not r.with_drafts:
             self.lookup.observe(len(draft), verdict.accepted, share_s)
@@ -494,7 +485,7 @@ class TargetWorker:
 
         `stats` is None for the prefill, which commits its first token without verifying a block."""
         emitted, reason = self.apply_stops(state, tokens)
-        self.step_tokens += len(emitted)
+        self.planner.committed(len(emitted))
         self.send_to_api.send(TokenOutput(
             req_id=state.req_id, token_ids=emitted, finished=reason is not None, finish_reason=reason,
             rounds=[stats] if stats else [], prompt_tokens=len(state.request.prompt_ids) if prefill else 0,
@@ -509,7 +500,8 @@ class TargetWorker:
         state.anchor = tokens[-1]
         state.round += 1
         if state.drafting:
-            state.strategy = self.next_strategy(state, len(tokens) if stats else None)
+            state.strategy = self.planner.next_strategy(state, len(tokens) if stats else None,
+                                                        state.request.prompt_ids + state.output_ids)
             self.tell_drafter(state, tokens, accepted, hidden, drafter_round)
 
     def tell_drafter(self, state: RequestState, tokens: list[int], accepted: int, hidden: torch.Tensor | None,
@@ -542,43 +534,6 @@ class TargetWorker:
             state.drafter_winding_down = state.round  # until its DrafterIdle: see drafter_busy
             if catch_up:
                 state.catch_up_round, state.foreseen = state.round, state.positions
-
-    def next_strategy(self, state: RequestState, committed: int | None) -> str:
-        """The strategy of the request's next round; in mode auto, after measuring the round that just
-        committed `committed` tokens (None: the prefill, which is not a round)."""
-        ran_own = not state.held_local and not state.held_for_catch_up  # it ran the request's own strategy
-        state.held_local = self.policy is not None and self.policy.local
-        if state.choice is not None and committed is not None and ran_own:
-            self.chooser.observe(state.choice, committed, state.round_cost_s)
-            self.chooser.advance(state.choice, self.round_context(state.request.prompt_ids + state.output_ids))
-        elif state.choice is not None and committed is not None and state.held_for_catch_up:
-            self.chooser.observe_held(state.choice, committed, state.round_cost_s)  # a trial's catch-up costs it
-        if state.held_local:  # under load the target does better alone (load_policy.py)
-            return self.policy.held_strategy(state.mode)
-        state.held_for_catch_up = self.awaits_catch_up(state)
-        if state.held_for_catch_up:
-            return Strategy.NGRAM
-        return state.choice.current if state.choice is not None else state.mode
-
-    @staticmethod
-    def awaits_catch_up(state: RequestState) -> bool:
-        """Does auto's switch to "pipelined" wait for the drafter to catch up? Its adapter and decoder have not
-        taken in the positions committed since the request's last pipelined round (the prompt, rounds of
-        other strategies): the first foresight job would, taking a 15-layer decoder over them, and the round
-        after it would wait (fp32 here: ~0.4 s for 250 positions against ~65 ms a prompt-lookup round; it
-        made each pipelined trial cost auto several rounds of lookup). So the request asks for the catch-up
-        (`Outcome.catch_up`) and runs prompt lookup, unmeasured, until the drafter's DrafterIdle."""
-        if state.choice is None or state.choice.current != Strategy.PIPELINED:
-            return False
-        if state.catch_up_round:
-            return True  # asked, not answered yet
-        if state.held_for_catch_up:
-            return False  # answered: the first foresight job takes in what the rounds meanwhile committed
-        return state.strategy != Strategy.PIPELINED and state.positions - state.foreseen >= CATCH_UP_MIN
-
-    def round_context(self, tokens: list[int]) -> str:
-        """Mode auto's context of the round after `tokens` (strategy_choice.py)."""
-        return round_context(tokens, self.cfg.hybrid_min_match)
 
     def apply_stops(self, state: RequestState, tokens: list[int]) -> tuple[list[int], str | None]:
         stop_ids = self.stop_ids(state.request)

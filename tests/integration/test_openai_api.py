@@ -1,6 +1,8 @@
 """A real `foresight serve` process on the embedded default, driven by the official openai client."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -138,6 +140,13 @@ def test_streaming_with_nucleus_verification(client, live_server):
     counted = sum(float(line.split()[-1]) for line in metrics.splitlines()
                   if line.startswith("foresight_strategy_rounds_total{"))
     assert counted >= spec["rounds"]
+    # the round planner's figures, reported as the target goes idle: auto measured its strategies' goodput
+    deadline, goodput = time.monotonic() + 10, []
+    while not goodput and time.monotonic() < deadline:
+        goodput = [line for line in httpx.get(f"{live_server}/metrics").text.splitlines()
+                   if line.startswith("foresight_auto_goodput_tokens_per_second{")]
+        time.sleep(0.2)
+    assert goodput and all(float(line.split()[-1]) > 0 for line in goodput)
 
 
 def test_oversized_body_is_413_at_once_and_server_keeps_serving(live_server, client):

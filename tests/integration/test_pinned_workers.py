@@ -1,5 +1,5 @@
 """`foresight serve --target-cores 0 --drafter-cores 1` on the real default: each worker process and every one of
-its threads runs on its own core only, and the server answers (protocol/placement.py)."""
+its threads runs on its own core only, and the server answers (placement.py)."""
 from __future__ import annotations
 
 import os

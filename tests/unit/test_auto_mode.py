@@ -7,8 +7,8 @@ import time
 from foresight.spec.sampling import PositionDraws
 from foresight.config import EngineConfig
 from foresight.drafter_worker.proposer import Draft, StatelessProposer
-from foresight.target_worker import strategy_choice
-from foresight.target_worker.strategy_choice import StrategyChooser
+from foresight.control import strategy_choice
+from foresight.control.strategy_choice import StrategyChooser
 from support.inprocess import InProcessEngine
 from support.tiny_models import plain_greedy, tiny_model
 from test_foresight import PROMPTS, make_drafter
@@ -59,10 +59,10 @@ def test_auto_leaves_a_proposer_that_stops_paying():
     want = plain_greedy(model, prompt, 64)
     proposer.truth = prompt + want
     try:
-        assert engine.target.chooser.strategies == ("ngram", "hybrid")
+        assert engine.target.planner.chooser.strategies == ("ngram", "hybrid")
         # The tiny model's greedy text repeats itself, so prompt lookup would pay as well as the scripted
         # drafts: choose between plain steps and the scripted proposer alone, the test is about the latter.
-        engine.target.chooser = StrategyChooser(("ar", "sync"))
+        engine.target.planner.chooser = StrategyChooser(("ar", "sync"))
 
         def serve() -> dict[str, int]:
             got = engine.generate(prompt, 64, mode="auto", temperature=0.0, seed=0)
@@ -92,7 +92,7 @@ def test_auto_switching_every_few_rounds_keeps_greedy_output(monkeypatch):
     drafter = make_drafter(model, seqs)
     engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6), proposer=drafter)
     try:
-        assert engine.target.chooser.strategies == ("ngram", "pipelined", "hybrid")
+        assert engine.target.planner.chooser.strategies == ("ngram", "pipelined", "hybrid")
         used: dict[str, int] = {}
         for prompt in PROMPTS:
             auto = engine.generate(prompt, 40, mode="auto", temperature=0.0)
@@ -226,9 +226,9 @@ def test_a_switch_to_pipelined_runs_prompt_lookup_while_the_drafter_catches_up(m
     """Auto's switch to pipelined (here at once: its only strategy) first has the drafter catch up on the
     positions its adapter and decoder have not taken in (the prompt), and runs prompt lookup until the
     drafter says it is done: no pipelined round waits for the catch-up. Greedy output stays plain greedy."""
-    from foresight.target_worker import worker as target_worker
+    from foresight.control import round_planner
 
-    monkeypatch.setattr(target_worker, "CATCH_UP_MIN", 4)
+    monkeypatch.setattr(round_planner, "CATCH_UP_MIN", 4)
     model = tiny_model("llama")
     prompt = PROMPTS[1]
     # Long enough that prompt lookup (which lands whole blocks on this repetitive model) cannot finish the
@@ -247,7 +247,7 @@ def test_a_switch_to_pipelined_runs_prompt_lookup_while_the_drafter_catches_up(m
     drafter.catch_up = slow_catch_up
     engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6), proposer=drafter)
     try:
-        engine.target.chooser = StrategyChooser(("pipelined",))
+        engine.target.planner.chooser = StrategyChooser(("pipelined",))
         engine.generate(prompt, 4, mode="sync", temperature=0.0)  # the drafter's socket is connected by now
         got = engine.generate(prompt, new_tokens, mode="auto", temperature=0.0)
         assert got["error"] is None

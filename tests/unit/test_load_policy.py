@@ -7,7 +7,7 @@ import torch
 
 from foresight.config import EngineConfig
 from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
-from foresight.target_worker.load_policy import (EXPLORE_WINDOWS, POLICIES, WINDOW_STEPS, LoadPolicy, load_bucket,
+from foresight.control.load_policy import (EXPLORE_WINDOWS, POLICIES, WINDOW_STEPS, LoadPolicy, load_bucket,
                                                  winner)
 from support.inprocess import InProcessEngine
 from support.tiny_models import plain_greedy, tiny_model
@@ -106,7 +106,7 @@ def test_rounds_held_local_stay_exact_and_drafting_resumes(mode):
     proposer = JetSpecProposer(make_draft_model(model), passes=1)  # auto may choose hybrid with it
     engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=6), proposer=proposer)
     try:
-        policy = engine.target.policy
+        policy = engine.target.planner.policy
         steps = [0]
 
         def alternate(running, contested, tokens, seconds):  # 3 steps of each policy in turn

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from foresight.protocol.messages import RoundStats
+from foresight.protocol.messages import ControllerStats, RoundStats
 from foresight.server.metrics import ServerMetrics
 
 MODEL = "tiny-model"
@@ -18,9 +18,11 @@ DOCUMENTED_METRICS = [
     "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total", "accept_length",
     "speculation_cache_lookups_total", "speculation_cache_hits_total", "exposed_draft_latency_seconds",
     "verify_latency_seconds", "draft_refinement_passes", "draft_context_refreshes",
-    "nucleus_extra_accepted_tokens_total", "strategy_rounds_total", "rounds_by_forward_total", "worker_up",
-    "worker_restarts_total",
+    "nucleus_extra_accepted_tokens_total", "strategy_rounds_total", "rounds_by_forward_total", "load_policy",
+    "load_level", "worker_up", "worker_restarts_total",
 ]
+# documented too, with series only once the target reports its round planner's figures (ControllerStats)
+CONTROLLER_METRICS = ["auto_goodput_tokens_per_second", "auto_exploring_share", "load_policy_goodput_tokens_per_second"]
 
 
 def samples(metrics: ServerMetrics) -> dict[tuple[str, frozenset], float]:
@@ -121,6 +123,23 @@ def test_rounds_are_counted_by_forward_only_with_compiled_steps(metrics):
     assert value(metrics, "rounds_by_forward_total", forward="compiled") == 2
     assert value(metrics, "rounds_by_forward_total", forward="eager") == 1
     assert value(metrics, "strategy_rounds_total", strategy="ar") == 4
+
+
+def test_the_round_planners_figures_become_gauges(metrics):
+    assert value(metrics, "load_policy", policy="draft") == 0 and value(metrics, "load_level") == 0
+    metrics.record_controllers(ControllerStats(
+        auto_goodput={"greedy/ngram": 80.0, "greedy/pipelined": 55.5}, auto_exploring={"greedy": 0.02},
+        policy="lookup", load_level=4, policy_goodput={"4/lookup": 120.0, "2/draft": 90.0}))
+    assert value(metrics, "auto_goodput_tokens_per_second", request_class="greedy", strategy="pipelined") == 55.5
+    assert value(metrics, "auto_exploring_share", request_class="greedy") == 0.02
+    assert [value(metrics, "load_policy", policy=p) for p in ("draft", "lookup", "plain")] == [0, 1, 0]
+    assert value(metrics, "load_level") == 4
+    assert value(metrics, "load_policy_goodput_tokens_per_second", load_level="2", policy="draft") == 90.0
+    metrics.record_controllers(ControllerStats(policy="plain"))  # figures not sent again keep their last value
+    assert [value(metrics, "load_policy", policy=p) for p in ("draft", "lookup", "plain")] == [0, 0, 1]
+    assert value(metrics, "auto_goodput_tokens_per_second", request_class="greedy", strategy="ngram") == 80.0
+    names = {family.name for family in text_string_to_metric_families(metrics.render()[0].decode())}
+    assert {"foresight_" + name for name in CONTROLLER_METRICS} <= names
 
 
 def test_ar_round_counts_only_length_and_verify(metrics):

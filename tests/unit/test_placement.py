@@ -1,4 +1,4 @@
-"""Workers pinned to their own cores (`--target-cores`, `--drafter-cores`; protocol/placement.py): the lists
+"""Workers pinned to their own cores (`--target-cores`, `--drafter-cores`; placement.py): the lists
 parse and are validated where the flags are read, a pinned process and the threads it starts stay on its cores,
 and the api takes what is left."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from foresight.config import ConfigError, EngineConfig, check_cores_exist, parse_cores
-from foresight.protocol.placement import api_cores, pin_worker
+from foresight.placement import api_cores, pin_worker
 
 
 def test_core_lists_parse_like_taskset_takes_them():

@@ -13,6 +13,7 @@ from foresight.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, ProtocolError, d
 from foresight.protocol.kinds import Mode, Refinement, Strategy
 from foresight.protocol.messages import (
     AbortRequest,
+    ControllerStats,
     DraftBlock,
     DrafterIdle,
     DrafterStatus,
@@ -59,8 +60,11 @@ EXAMPLES = [
     StartDraft(req_id="r1", prompt_ids=[1], seed=3),
     Outcome(req_id="r1", round=2, accepted=1, bonus=9, max_drafts=4),
     ReleaseDraft(req_id="r1"),
-    DraftBlock(req_id="r1", round=2, tokens=[], cache_hit=None, draft_s=0.25),
+    DraftBlock(req_id="r1", round=2, tokens=[], cache_hit=None, passes=2),
     DrafterIdle(req_id="r1", round=3),
+    ControllerStats(auto_goodput={"greedy/ngram": 81.5, "greedy/pipelined": 60.25}, auto_exploring={"greedy": 0.01},
+                    policy="lookup", load_level=4, policy_goodput={"4/lookup": 120.0, "4/plain": 110.5}),
+    ControllerStats(),
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from foresight.control.verify_length import best_length
-from foresight.target_worker.step_cost import StepCost
+from foresight.control.step_cost import StepCost
 
 # A CPU-like cost law: reading the weights dominates, each fed position adds a little.
 FIXED_S, PER_POSITION_S = 0.070, 0.004

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from foresight.config import EngineConfig
-from foresight.protocol.messages import GenerateRequest, SamplingParams
+from foresight.protocol.messages import DraftBlock, GenerateRequest, SamplingParams
 from foresight.target_worker.request_state import RequestState
 from foresight.spec.sampling import PositionDraws
 from foresight.target_worker.step_threads import StepThreads, drafter_busy, winding_down_only
@@ -13,7 +13,8 @@ from foresight.target_worker.step_threads import StepThreads, drafter_busy, wind
 def state(strategy: str, block: list[int] | None, prefilled: bool = True, drafting: bool = True) -> RequestState:
     s = RequestState(request=GenerateRequest(req_id="r", prompt_ids=[1, 2], max_tokens=4,
                                                    sampling=SamplingParams()), mode="auto",
-                     draws=PositionDraws(0), drafting=drafting, strategy=strategy, block=block)
+                     draws=PositionDraws(0), drafting=drafting, strategy=strategy,
+                     block=None if block is None else DraftBlock(req_id="r", round=0, tokens=block))
     s.prefill_pos = 2 if prefilled else 0
     return s
 

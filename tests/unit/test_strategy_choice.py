@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from foresight.target_worker import strategy_choice
-from foresight.target_worker.strategy_choice import StrategyChooser, request_group
+from foresight.control import strategy_choice
+from foresight.control.strategy_choice import StrategyChooser, request_group
 
 STRATEGIES = ("ar", "sync", "pipelined", "ngram", "hybrid")
 
@@ -215,7 +215,7 @@ def test_rivals_that_differ_only_on_some_rounds_are_compared_on_those():
 
 
 def test_round_context_is_whether_lookup_finds_a_long_enough_match():
-    from foresight.target_worker.strategy_choice import round_context
+    from foresight.control.strategy_choice import round_context
 
     seen = [5, 6, 7, 8, 1, 2, 5, 6, 7]  # "5 6 7" occurred before, followed by 8
     assert round_context(seen, 3) == "match"

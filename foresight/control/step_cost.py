@@ -14,34 +14,23 @@ grows, drafts cost relatively more, and speculation shrinks toward plain steps b
 """
 from __future__ import annotations
 
+from .rates import LineFit
+
 DECAY = 0.98  # weight of the past per observed step: about the last 50 steps count
 PRIOR_WEIGHT = 1.0  # pseudo-steps pulling the fit toward "positions cost nothing" until data say otherwise
 
 
 class StepCost:
     def __init__(self, decay: float = DECAY):
-        self.decay = decay
-        self.sw = self.sp = self.spp = self.st = self.spt = 0.0  # weighted sums of 1, P, P^2, t, P t
+        self.line = LineFit(decay)  # seconds against positions fed
 
     def observe(self, positions: int, seconds: float) -> None:
-        d = self.decay
-        self.sw = d * self.sw + 1.0
-        self.sp = d * self.sp + positions
-        self.spp = d * self.spp + positions * positions
-        self.st = d * self.st + seconds
-        self.spt = d * self.spt + positions * seconds
+        self.line.add(positions, seconds)
 
     def fit(self) -> tuple[float, float]:
         """(fixed seconds, seconds per position), both >= 0; (0, 0) before any step."""
-        if self.sw == 0.0:
-            return 0.0, 0.0
-        mean_p, mean_t = self.sp / self.sw, self.st / self.sw
-        var_p = self.spp / self.sw - mean_p ** 2
-        cov = self.spt / self.sw - mean_p * mean_t
-        # Ridge toward a zero slope: with one batch shape seen so far the slope is unknown, not infinite.
-        slope = max(0.0, cov / (var_p + PRIOR_WEIGHT / self.sw)) if var_p > 0 else 0.0
-        fixed = max(0.0, mean_t - slope * mean_p)
-        return fixed, slope
+        fixed, per_position = self.line.fit(ridge=PRIOR_WEIGHT)
+        return max(0.0, fixed), per_position
 
     def shares(self, lengths: list[int], seconds: float) -> list[float]:
         """Each row's part of a step that fed `lengths[b]` positions per row and took `seconds`."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..config import EngineConfig, format_cores
+from .config import EngineConfig, format_cores
 
 log = logging.getLogger("foresight.placement")
 

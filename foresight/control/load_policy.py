@@ -1,49 +1,27 @@
 """Speculation under load: whether rounds may use the drafter at all while several requests share the target.
 
-Each request's own measure of a strategy (`strategy_choice.py`) cannot see what its choice costs the others:
-on a CPU a round that waits for the drafter keeps the drafter's core busy, so every batched target step
-runs without the core it would borrow; and the batch splits into groups that wait for their blocks at
-different times. Alone, a request pays for all of this itself and its measure is right; in a batch it is
-blind to it, and every request can prefer the drafter while all would be faster without it.
+A request's own measure of a strategy (`strategy_choice.py`) cannot see what its choice costs the others: on a
+CPU a round that waits for the drafter keeps the drafter's core busy, so every batched step runs without the
+core it would borrow, and the batch splits into groups that wait for their blocks at different times. So under
+load the worker compares three policies on the target's committed tokens per second, all requests together:
+    "draft"   each request runs its own strategy (auto's choice, or its fixed mode);
+    "lookup"  rounds the target runs alone: auto and ngram requests take prompt lookup, drafting modes plain
+              steps (vLLM's `disable_by_batch_size`, decided from measurements);
+    "plain"   plain steps for every request.
+Throughput is measured over windows of WINDOW_STEPS steps per load level (`load_bucket` of the smoothed running
+count: about 2, 4, 8, 16+), the first SETTLE_STEPS after a switch not counted. "plain" runs unless "lookup"
+measured LOOKUP_MARGIN better, and either unless "draft" measured DRAFT_MARGIN better (`winner`): plain steps
+are safe and a window is noisy. Rivals are re-tried on the `explore_wait` schedule (EXPLORE_WINDOWS / r**2
+windows, at most MAX_WAIT). A level seen for the first time starts from what the nearest measured level learnt;
+the top levels (6+ requests) try drafting only after a lower level measured it. A lone request, or a batch of
+plain requests only, has no policy.
 
-So under load the worker compares three policies on what they are for, the target's committed tokens per
-second of wall time, all requests together:
-    "draft"   each request runs its own strategy (mode auto's choice, or its fixed mode);
-    "lookup"  rounds the target runs alone: requests of mode auto or ngram take the target's prompt lookup,
-              requests of a drafting mode take plain steps (speculation off: vLLM's `disable_by_batch_size`,
-              decided from measurements instead of a threshold set by hand);
-    "plain"   plain steps for every request: once the batch is large enough that every extra position in a
-              forward costs nearly its share, even prompt lookup's blocks cost more than they commit.
-Throughput is measured over windows of WINDOW_STEPS steps, separately per load bucket (the number of
-running requests smoothed over steps: about 2, 4, 8, and 16 or more). "plain" runs unless "lookup" measured
-LOOKUP_MARGIN better, and either unless "draft" measured DRAFT_MARGIN better than the one that runs: plain
-steps are the safe choice, a window's figure is noisy, and a near tie must not leave the batch below plain
-decoding. Every other policy is tried for a window now and then (more rarely the worse it measured), so a
-change of load or workload is noticed. Trying a policy that does the same as the best for this batch (no
-request of mode auto or ngram: "lookup" is "plain") costs nothing.
-Drafting pays less the larger the batch (its blocks' extra positions cost more, and a switch to it makes every
-request catch up first), so the top levels (6+ requests) do not try drafting before a lower level has
-measured it: they start on plain steps and try drafting only after EXPLORE_WINDOWS windows (measured at 8
-clients, chat, bf16, 48 requests a run from a fresh server: `pipelined` 0.90x `ar` with those early trials
-of drafting, 0.97x without them; docs/journal/2026-12-04-folded-attention.md).
-A load level seen for the first time starts with the policy that won at the nearest level already measured
-(if no level measured every policy yet, the best of those measured at the nearest level that measured any:
-as a busy period ends, its tail runs what the busy level ran instead of trying drafting first -- measured at
-8 clients, chat, 48 requests: the tail's drafting rounds at 2-4 requests took 1.8 s where plain steps took
-1.2 s, of a 30 s run), except that prompt lookup won at a lower load starts as plain steps. The other way of
-running the target alone is tried there soon (a few windows: it costs no catch-up), since extra positions
-cost more the larger the batch and lookup's lead at a lower load may not hold.
-The first SETTLE_STEPS steps after a switch are not measured: rounds of the old policy are still in flight.
-A trial therefore costs SETTLE_STEPS + WINDOW_STEPS steps, and a rival at r of the best is tried every
-EXPLORE_WINDOWS / r**2 windows, so exploring costs at most about (1 - r) r**2 (SETTLE_STEPS / WINDOW_STEPS
-+ 1) / EXPLORE_WINDOWS of throughput per rival: 0.75 % at r = 2/3 (with a whole window to settle and 12
-windows between trials it was 2.5 %; simulated: `LoadPolicy` on scripted rates kept 0.970 of the best rate
-with drafting at half the best and lookup at 0.9, 0.989 now). A lone request decides alone (no policy), as
-does a batch of plain ("ar") requests only.
+Why each rule is there, with the runs that showed it: docs/journal/2026-12-07-control-layer.md.
 """
 from __future__ import annotations
 
 from ..protocol.kinds import Mode, Strategy
+from .rates import DecayedRate, explore_wait
 
 POLICIES = ("draft", "lookup", "plain")
 TARGET_ALONE = ("lookup", "plain")  # the policies under which no round waits for the drafter
@@ -84,12 +62,17 @@ class LoadPolicy:
     def __init__(self, window_steps: int = WINDOW_STEPS):
         self.window_steps = window_steps
         self.current = "draft"
-        self.rates: dict[tuple[int, str], tuple[float, float]] = {}  # (bucket, policy) -> (tokens, seconds)
+        self.rates: dict[tuple[int, str], DecayedRate] = {}  # (bucket, policy) -> its recent windows
         self.windows: dict[int, int] = {}  # bucket -> windows measured
         self.tried_at: dict[tuple[int, str], int] = {}  # (bucket, policy) -> windows[bucket] at its last run
         self._bucket, self._steps, self._tokens, self._seconds = 0, 0, 0, 0.0
         self._settling = False  # the window after a switch: not measured
         self._load = 0.0  # running requests, smoothed over steps
+
+    @property
+    def level(self) -> int:
+        """The load level the current window counts for (0: a lone request, no policy)."""
+        return self._bucket
 
     @property
     def local(self) -> bool:
@@ -125,9 +108,7 @@ class LoadPolicy:
 
     def _end_window(self, bucket: int) -> None:
         if not self._settling and self._seconds > 0:
-            key = (bucket, self.current)
-            tokens, seconds = self.rates.get(key, (0.0, 0.0))
-            self.rates[key] = (DECAY * tokens + self._tokens, DECAY * seconds + self._seconds)
+            self.rates.setdefault((bucket, self.current), DecayedRate()).add(self._tokens, self._seconds, DECAY)
             self.windows[bucket] = self.windows.get(bucket, 0) + 1
         self._steps, self._tokens, self._seconds = 0, 0, 0.0
         if self._settling:  # the policy just switched to is measured in the next window
@@ -136,8 +117,8 @@ class LoadPolicy:
         self._switch(self._next(bucket))
 
     def rate(self, bucket: int, policy: str) -> float | None:
-        tokens, seconds = self.rates.get((bucket, policy), (0.0, 0.0))
-        return tokens / seconds if seconds > 0 else None
+        measured = self.rates.get((bucket, policy))
+        return measured.rate if measured is not None else None
 
     def measured(self, bucket: int) -> dict[str, float]:
         """The figures of the policies measured at this load level."""
@@ -209,8 +190,7 @@ class LoadPolicy:
             if self._nearest_known(bucket) is None:
                 return 0.0
             return NEW_LEVEL_TRIAL if policy in TARGET_ALONE else EXPLORE_WINDOWS
-        ratio = min(1.0, rate / self.rate(bucket, best))
-        return min(MAX_WAIT, EXPLORE_WINDOWS / max(ratio, 1e-3) ** 2)
+        return explore_wait(rate, self.rate(bucket, best), EXPLORE_WINDOWS, MAX_WAIT)
 
     def _switch(self, policy: str) -> None:
         self.tried_at[(self._bucket, policy)] = self.windows.get(self._bucket, 0)

@@ -1,54 +1,25 @@
 """Mode `auto`: each round of a request runs the strategy with the best measured goodput.
 
-Goodput is committed tokens per second of the round as the request lives it: from the moment its previous
-round ended to the moment this one commits, less the time the target spent on other requests meanwhile.
-So it includes the wait for the drafter's block (exposed drafting), the verification, and whatever the
-drafter could not hide; a round of the target's own prompt lookup ("ngram", a plain step whenever lookup
-finds nothing worth verifying) is measured the same way and competes on equal terms.
+Goodput is committed tokens per second of the round as the request lives it: from the end of its previous
+round to this one's commit, less the target's time on other requests meanwhile. So the wait for the drafter's
+block, the verification and any drafting the drafter could not hide all count, and the target's own prompt
+lookup ("ngram") competes on equal terms.
 
-The estimate of a strategy for a request pools what this request measured lately (its last ~OWN_ROUNDS
-rounds of that strategy: a long request's text changes, and its early rounds must not hold it to a
-strategy that has stopped paying) with what earlier requests of the same class (greedy or sampled:
-acceptance differs too much to pool) measured lately, which counts as at most PRIOR_ROUNDS rounds. Each round takes the best estimate, except for trials:
-a strategy no request of the class has run yet is tried at once; any other is tried again once the
-class has run EXPLORE_ROUNDS / r**2 rounds since its last trial (at most MAX_WAIT), where r is its
-estimate over the best one's: close rivals are re-checked often, hopeless ones rarely; an estimate resting
-on fewer than CONFIDENT_ROUNDS rounds waits proportionally less (a couple of unlucky early rounds must not
-bench a strategy for a hundred rounds: per-round goodput swings with each block's acceptance). A trial round that
-clearly beats the best estimate is extended (up to MAX_TRIAL rounds), so a strategy that starts paying again takes
-over within a request instead of waiting for its stale pooled figures to fade. A rival at r of the best
-costs (1 - r) * r**2 / EXPLORE_ROUNDS of goodput once its estimate is confident, at most 0.23 % (r = 2/3).
-That holds for rivals whose rounds last as long as the best one's; a rival with longer rounds waits longer in
-proportion (`_round_cost`), counting every round it ran: a trial's rounds that are not measured (pipelined's
-first round after a switch, which has no foresight) cost time too. Measured before that (bf16 HumanEval T=1):
-auto's pipelined trials, a round of ~300 ms against ~45 ms of prompt lookup, took 4.4 % of its time for 1 %
-of its rounds. (Those rounds also paid for the adapter and decoder taking in the context; since then the
-target worker has the drafter catch up first, `TargetWorker.awaits_catch_up`.)
+Estimates. A strategy's estimate for a request pools the request's own recent rounds of it (OWN_DECAY: a long
+request's text changes) with the recent rounds of every request of its class (greedy or sampled; POOLED_DECAY),
+which weigh at most PRIOR_ROUNDS rounds. Figures are kept per round context ("match" when prompt lookup finds a
+long enough match, else "free": lookup and hybrid differ only on rounds without a match), and a context without
+figures of a strategy borrows the class's.
 
-The schedule sees only the rounds a strategy runs, and a trial's cost need not be in them: a switch to pipelined
-first holds the request on prompt-lookup rounds while the drafter catches up (slower: the drafter takes the core
-the target borrows), and pipelined measures one round a trial, so its estimate stays unconfident and its waits
-short. Measured (bf16 chat T=1, twelve requests, a round log): its trials took ~2 % of auto's time, the catch-ups
-a third of that. So re-checks of a measured strategy whose rounds last longer than the best one's also wait while
-the class's re-checks so far cost more than EXPLORE_SHARE of its time (`exploring_cost`: each trial round's and
-held round's time beyond the best other estimate's pace for its tokens; a trial that pays lowers it). First
-trials of a strategy not measured yet are not counted: they are the one-off price of knowing anything of it.
+Exploring. A strategy no request of the class has measured is tried at once; a rival at r of the best is tried
+again after `explore_wait` (EXPLORE_ROUNDS / r**2 of the class's rounds, at most MAX_WAIT), shorter while its
+estimate rests on few rounds, longer in proportion when its rounds last longer than the best one's. A trial that
+clearly beats the best (PROMISING) runs on, up to MAX_TRIAL rounds. Re-checks of slow-round rivals also wait
+while the class's trials have cost more than EXPLORE_SHARE of its time (`exploring_cost`). A pipelined trial runs
+two rounds (TRIAL_ROUNDS: its first has no foresight), and the first round of a strategy in a class is never
+measured (one-off costs). Only rounds of `auto` requests are measured.
 
-Rounds come in two contexts, whether prompt lookup finds a match for the round (`round_context`, decided on
-the request's tokens before the round), and the estimates above are kept per context. What exploring needs
-stays the class's: the clock between trials, the first unmeasured round, the two measured rounds before a
-strategy competes, and a context without figures of a strategy borrows the class's (contexts must not double
-the trials, which cost most for pipelined). Prompt lookup and the hybrid
-proposer do the same thing on a match and differ only on the rounds without one (a plain step against a
-draft-model block); measured over all rounds, a request's estimate of the strategy it runs mixes both kinds,
-while a one-round trial of the other is most often a round without a match, so each looked worse to requests
-running the other and requests kept whichever they started with (measured: fp32 HumanEval T=1, auto at 0.94x
-lookup with `hybrid` in 15 % of its rounds in one run, 0.99x with 1 % in the next). Per context, rivals are
-compared on the same kind of round, and each round takes the best strategy for its own context.
-
-Only rounds of `auto` requests are measured here: a request that fixed its mode teaches auto nothing.
-The first round of each strategy in a class is not measured either: first calls pay one-off costs
-(allocations, lazy initialisation, a socket's first connection) that would condemn it for long.
+Why each rule is there, with the runs that showed it: docs/journal/2026-12-07-control-layer.md.
 """
 from __future__ import annotations
 
@@ -57,11 +28,8 @@ from typing import Sequence
 
 from ..spec.ngram import lookup
 from ..protocol.kinds import Strategy
+from .rates import DecayedRate, explore_wait
 
-# Strategies the target runs without the drafter. Mode auto leaves "ar" out: "ngram" with its verify-length
-# controller is a plain step whenever lookup finds nothing worth verifying, so ar can only lose to it by the
-# lookup itself (well under a millisecond), and two near-equal rivals would cost exploring without end.
-LOCAL_STRATEGIES = (Strategy.AR, Strategy.NGRAM)
 POOLED_DECAY = 0.95  # per round a strategy runs: the pooled figures follow its last ~20 rounds
 # Per round a strategy runs for the request: its own figures follow its last ~10 rounds. Without it a long
 # request whose first rounds went well kept a strategy that ran at 0.9x the best for the rest of it
@@ -84,20 +52,6 @@ EXPLORE_SHARE = 0.01
 
 
 @dataclass(slots=True)
-class Goodput:
-    """Committed tokens and seconds, optionally with exponential forgetting."""
-
-    tokens: float = 0.0
-    seconds: float = 0.0
-    rounds: float = 0.0
-
-    def add(self, tokens: int, seconds: float, decay: float = 1.0) -> None:
-        self.tokens = decay * self.tokens + tokens
-        self.seconds = decay * self.seconds + seconds
-        self.rounds = decay * self.rounds + 1.0
-
-
-@dataclass(slots=True)
 class RequestChoice:
     """One request's side of the choice: its own measurements and the strategy of its current round."""
 
@@ -109,7 +63,7 @@ class RequestChoice:
     trial_rounds: int = 0  # rounds the current trial has run (0: not in a trial)
     trial_due: bool = False  # the current trial re-checks a measured strategy (its cost counts, EXPLORE_SHARE)
     last_rate: float = 0.0  # tokens per second of the last measured round
-    measured: dict[tuple[str, str], Goodput] = field(default_factory=dict)  # (context, strategy) -> own rounds
+    measured: dict[tuple[str, str], DecayedRate] = field(default_factory=dict)  # (context, strategy) -> own rounds
     rounds: dict[str, int] = field(default_factory=dict)  # strategy -> rounds run (the usage block)
 
     @property
@@ -125,7 +79,7 @@ class StrategyChooser:
         if not strategies:
             raise ValueError("auto needs at least one strategy")
         self.strategies = tuple(strategies)
-        self.pooled: dict[str, dict[str, Goodput]] = {}  # group -> strategy -> recent rounds of every request
+        self.pooled: dict[str, dict[str, DecayedRate]] = {}  # group -> strategy -> recent rounds of every request
         # The exploring clock is the class's, whatever the context: a trial in either context resets it, so
         # contexts do not double the trials (a pipelined trial pays for the adapter and decoder catching up).
         self.rounds: dict[str, int] = {}  # group -> rounds measured
@@ -133,7 +87,7 @@ class StrategyChooser:
         self.runs: dict[tuple[str, str], int] = {}  # (group, strategy) -> rounds run (measured or not)
         self.measured_n: dict[tuple[str, str], int] = {}  # (group, strategy) -> rounds measured
         # (group, strategy) -> recent rounds run, measured or not (but the first): what a round of it costs
-        self.spent: dict[tuple[str, str], Goodput] = {}
+        self.spent: dict[tuple[str, str], DecayedRate] = {}
         self.elapsed_s: dict[str, float] = {}  # group -> seconds of the rounds it was told of
         self.exploring_s: dict[str, float] = {}  # group -> seconds its trials cost beyond the best estimate's pace
 
@@ -151,21 +105,21 @@ class StrategyChooser:
         key = (choice.group, s)  # first rounds, measured counts and round costs: the class's
         self.runs[key] = self.runs.get(key, 0) + 1
         if seconds > 0 and self.runs[key] > 1:
-            self.spent.setdefault(key, Goodput()).add(tokens, seconds, POOLED_DECAY)
+            self.spent.setdefault(key, DecayedRate()).add(tokens, seconds, POOLED_DECAY)
         if s == Strategy.PIPELINED and choice.previous != Strategy.PIPELINED:
             return  # no foresight could run for it: not what pipelined costs or gives
         if seconds <= 0 or self.runs[key] == 1:
             return  # nothing to measure, or the strategy's first round in the class (see the docstring)
         self.measured_n[key] = self.measured_n.get(key, 0) + 1
         choice.last_rate = tokens / seconds
-        choice.measured.setdefault((choice.context, s), Goodput()).add(tokens, seconds, OWN_DECAY)
+        choice.measured.setdefault((choice.context, s), DecayedRate()).add(tokens, seconds, OWN_DECAY)
         for group in {choice.key, choice.group}:  # the context's figures and the class's
             self.pooled[group][s].add(tokens, seconds, POOLED_DECAY)
         self.rounds[choice.group] += 1
 
     def observe_held(self, choice: RequestChoice, tokens: int, seconds: float) -> None:
         """A round that ran prompt lookup instead of the current strategy while the drafter caught up for it (the
-        target worker's `awaits_catch_up`): not a measurement of either, but when the current strategy is on
+        round planner's `awaits_catch_up`): not a measurement of either, but when the current strategy is on
         trial, what the round lost to the catch-up is the trial's cost."""
         if choice.trial_rounds and choice.trial_due:
             self._charge(choice, tokens, seconds)
@@ -194,7 +148,7 @@ class StrategyChooser:
         choice.previous = choice.current
         choice.context = context
         for group in (choice.key, choice.group):
-            self.pooled.setdefault(group, {s: Goodput() for s in self.strategies})
+            self.pooled.setdefault(group, {s: DecayedRate() for s in self.strategies})
         self.rounds.setdefault(choice.group, 0)
         rates = self.estimates(choice)
         if choice.trial_rounds and self._trial_goes_on(choice, rates):
@@ -235,7 +189,7 @@ class StrategyChooser:
         """Tokens per second of each strategy for this request (None: nothing measured yet)."""
         out: dict[str, float | None] = {}
         for s in self.strategies:
-            own = choice.measured.get((choice.context, s), Goodput())
+            own = choice.measured.get((choice.context, s), DecayedRate())
             pooled = self._pooled(choice, s)
             weight = min(1.0, PRIOR_ROUNDS / pooled.rounds) if pooled.rounds else 0.0
             seconds = own.seconds + weight * pooled.seconds
@@ -250,16 +204,15 @@ class StrategyChooser:
         for s in self.strategies:
             if s == best:
                 continue
-            ratio = min(1.0, rates[s] / top) if top else 1.0
             confidence = min(1.0, max(1.0, self._pooled(choice, s).rounds) / CONFIDENT_ROUNDS)
-            wait = min(MAX_WAIT, EXPLORE_ROUNDS / max(ratio, 1e-3) ** 2) * confidence
+            wait = explore_wait(rates[s], top, EXPLORE_ROUNDS, MAX_WAIT) * confidence
             wait *= self._round_cost(choice.group, s, best)
             age = now - self.tried_at.get((choice.group, s), now)
             if age >= wait:
                 overdue[s] = age / wait
         return max(overdue, key=overdue.get) if overdue else None
 
-    def _pooled(self, choice: RequestChoice, strategy: str) -> Goodput:
+    def _pooled(self, choice: RequestChoice, strategy: str) -> DecayedRate:
         """The recent rounds of `strategy` pooled over the class's requests in the round's context, or in every
         context while this one has none (a strategy need not be explored again in each context)."""
         pooled = self.pooled[choice.key][strategy]
@@ -272,10 +225,8 @@ class StrategyChooser:
         its adapter and decoder catch up on the whole context) is tried proportionally less often, and
         exploring costs the same share of time whatever the rival. A round's cost is the mean over all its
         recent rounds (`spent`), the unmeasured ones of a trial included."""
-        mean = {}
-        for s in (strategy, best):
-            spent = self.spent.get((group, s), Goodput())  # every measured round is in it too
-            mean[s] = spent.seconds / spent.rounds if spent.rounds else 0.0
+        # every measured round is in `spent` too
+        mean = {s: self.spent.get((group, s), DecayedRate()).mean_seconds for s in (strategy, best)}
         return max(1.0, mean[strategy] / mean[best]) if mean[best] > 0 else 1.0
 
     def _trial(self, choice: RequestChoice, strategy: str, due: bool) -> str:
