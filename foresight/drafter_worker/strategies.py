@@ -67,26 +67,23 @@ class HybridProposer:
 
 
 def auto_strategies(offered: dict[Strategy, Proposer]) -> list[Strategy]:
-    """The drafting strategies mode `auto` chooses among (beside the target's own prompt lookup). Left out:
-    "sync" when it is prompt lookup (--drafter ngram), which the target runs faster itself, and "sync" when
-    "hybrid" is offered: hybrid is sync plus lookup drafts on long matches, which cost no drafting time
-    (measured, bf16, one bench run each: hybrid 1.12x ar vs sync 1.09x on chat, 1.65x vs 1.42x on
-    HumanEval), and two close rivals would cost exploring without end (auto spent 333 of 853 HumanEval
-    rounds on sync with both offered)."""
-    out = [s for s in (Strategy.SYNC, Strategy.PIPELINED, Strategy.HYBRID)
-           if s in offered and not isinstance(offered[s], NgramProposer)]
+    """The drafting strategies mode `auto` chooses among (beside the target's own prompt lookup): every one offered,
+    in `Strategy` order, but "sync" when it is prompt lookup (--drafter ngram), which the target runs faster
+    itself, and "sync" when "hybrid" is offered: hybrid is sync plus lookup drafts on long matches, which cost no
+    drafting time, and two close rivals would cost exploring without end (docs/journal/2026-12-07-control-layer.md)."""
+    out = [s for s in Strategy if s in offered and not isinstance(offered[s], NgramProposer)]
     if Strategy.HYBRID in out:
         out.remove(Strategy.SYNC)
     return out
 
 
 def offered_strategies(primary: Proposer, cfg: EngineConfig) -> dict[Strategy, Proposer]:
-    """Strategy -> the proposer that drafts it, for every strategy this drafter can run."""
+    """Strategy -> the proposer that drafts it, for every strategy this drafter can run. A new strategy is a
+    `Strategy` member and its proposer here (tests/unit/test_new_strategy.py)."""
+    out: dict[Strategy, Proposer] = {Strategy.SYNC: primary}
     if isinstance(primary, NgramProposer):
-        return {Strategy.SYNC: primary}
-    ngram = NgramProposer(cfg.ngram_max, cfg.ngram_min)
-    out: dict[Strategy, Proposer] = {Strategy.SYNC: primary,
-                                     Strategy.HYBRID: HybridProposer(primary, ngram, cfg.hybrid_min_match)}
+        return out
+    out[Strategy.HYBRID] = HybridProposer(primary, NgramProposer(cfg.ngram_max, cfg.ngram_min), cfg.hybrid_min_match)
     if primary.supports_foresight:
         out[Strategy.PIPELINED] = primary
     return out
