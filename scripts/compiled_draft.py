@@ -110,7 +110,6 @@ def main() -> None:
     results = {}
     for name, graph in (("eager", None), ("compiled", compiled), ("eager again", None)):
         model.compiled = graph
-        proposer.requests.clear()
         results[name] = round_loop(runner, proposer, prompts, eos_ids(target))
         tau, draft_ms, _ = results[name]
         print(f"round loop {name:>11}: tau {tau:.3f}  drafting {draft_ms:5.2f} ms per round", flush=True)

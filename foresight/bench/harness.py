@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -115,6 +116,8 @@ class ModeTally:
             "exposed_draft_ms_p90": _quantile(ms, 0.9) if mode != "ar" else None,
             "verify_ms_mean": 1e3 * statistics.fmean(self.verify_s) if self.verify_s else None,
             "outputs_match_ar": match,
+            # the outputs' token ids, digested: equal digests across runs or builds mean equal outputs
+            "outputs_sha256": hashlib.sha256(json.dumps(self.outputs).encode()).hexdigest(),
             "passes_mean": self.passes / self.predrafted if self.predrafted else None,
             "refreshes_mean": self.refreshes / self.predrafted if self.predrafted else None,
             "strategy_rounds": dict(sorted(self.strategies.items())),

@@ -28,7 +28,7 @@ from ..config import EngineConfig
 from ..models.draft_model import ContextKV, DraftModel
 from ..protocol.kinds import Refinement
 from .calibration import Calibration
-from .foresight import ForesightDrafter, _RequestState, block_rows, load_calibration
+from .foresight import STATE_KEY, ForesightDrafter, _RequestState, block_rows, load_calibration
 from .jetspec_proposer import JetSpecProposer
 from .outcomes import Outcome
 from .proposer import DraftContext
@@ -61,9 +61,9 @@ class DraftOnlyForesight(ForesightDrafter):
         return 0
 
     def state(self, ctx: DraftContext) -> _RequestState:
-        state = self.requests.get(ctx.req_id)
+        state = ctx.states.get(STATE_KEY)
         if state is None:
-            state = self.requests[ctx.req_id] = _RequestState(model=self.jetspec.state(ctx))
+            state = ctx.states[STATE_KEY] = _RequestState(model=self.jetspec.state(ctx))
         return state
 
     def _absorb(self, ctx: DraftContext, draft_only: bool = False) -> _RequestState:

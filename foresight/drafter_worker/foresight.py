@@ -68,6 +68,8 @@ from .outcomes import Outcome, outcome_scores, select_outcomes
 from .proposer import Draft, DraftContext
 from .refinement import row_contexts
 
+STATE_KEY = "foresight"  # the request's _RequestState in DraftContext.states
+
 __all__ = ["ForesightDrafter"]
 
 # Positions per adapter-and-decoder pass of a catch-up: a message for another request waits at most one pass
@@ -181,7 +183,6 @@ class ForesightDrafter(BatchedForesight):
         self.calibration = calibration
         self.costs = StepCosts()  # measured costs of the prediction and of batched passes and refreshes
         self.stats = ForesightStats()
-        self.requests: dict[str, _RequestState] = {}
 
     @property
     def decoder_layers(self) -> int:
@@ -201,14 +202,10 @@ class ForesightDrafter(BatchedForesight):
         proposer.py)."""
         self.jetspec.commit(ctx)
 
-    def release(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
-        self.jetspec.release(req_id)
-
     def state(self, ctx: DraftContext) -> _RequestState:
-        state = self.requests.get(ctx.req_id)
+        state = ctx.states.get(STATE_KEY)
         if state is None:
-            state = self.requests[ctx.req_id] = _RequestState(
+            state = ctx.states[STATE_KEY] = _RequestState(
                 model=self.jetspec.state(ctx), adapter=self.adapter.new_context(), decoder=self.decoder.new_cache())
         return state
 
@@ -237,7 +234,7 @@ class ForesightDrafter(BatchedForesight):
         """Does the decoder lack more than one catch-up pass of the context (a new request's prompt)? A
         foresight job then catches up first, in passes a waiting message can stop; fewer positions it takes in
         the same decoder pass as the block."""
-        state = self.requests.get(ctx.req_id)
+        state = ctx.states.get(STATE_KEY)
         return len(ctx.tokens) - 1 - (state.decoder.length if state is not None else 0) > CATCH_UP_ROWS
 
     @torch.inference_mode()

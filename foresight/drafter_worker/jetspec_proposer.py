@@ -21,6 +21,8 @@ from ..models.cpu_linear import use_cpu_linears
 from ..models.loading import cache_root
 from .proposer import Draft, DraftContext
 
+STATE_KEY = "draft_model"  # the request's DraftModelState in DraftContext.states
+
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"  # the embedded default target's drafter
 
 
@@ -87,7 +89,6 @@ class JetSpecProposer:
         # The draft model's columns of the states received; None: all of them, already in its order.
         self.columns = None if list(self.layout.layers) == sources else self.layout.columns(sources)
         self.passes = model.config.default_passes if passes is None else passes
-        self.requests: dict[str, DraftModelState] = {}
 
     @classmethod
     def load(cls, path: str | Path, target, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -109,15 +110,12 @@ class JetSpecProposer:
         now: proposer.py)."""
         self.take(ctx)
 
-    def release(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
-
     def state(self, ctx: DraftContext) -> DraftModelState:
         """The request's state, created on first use (its noise seeded by the request, independent of the
         target's draws)."""
-        state = self.requests.get(ctx.req_id)
+        state = ctx.states.get(STATE_KEY)
         if state is None:
-            state = self.requests[ctx.req_id] = DraftModelState()
+            state = ctx.states[STATE_KEY] = DraftModelState()
             state.generator.manual_seed(ctx.seed)
         return state
 

@@ -1,11 +1,12 @@
 """The proposer contract every drafter implements, and the per-request context it drafts from.
 
-A proposer owns its per-request state (a draft model's context K/V, a foresight drafter's adapter and
-decoder caches): `add_request` when the target starts a request (its prompt's target states are in the
-context), `commit` after each outcome (the round's tokens and target states are committed in the context),
-`propose` when a round wants a block, `foresee` while the target verifies (pipelined), `release` when the
-request ends. `DraftContext` is the round's bookkeeping the worker keeps and every strategy of the request
-reads: committed tokens, target states the proposer has not taken yet, the block in flight.
+`DraftContext` is the one object the drafter keeps per request, released by dropping it: the committed tokens,
+target states the proposer has not taken yet, the block in flight, the blocks pre-drafted for the next round,
+and each proposer's own state for the request (a draft model's context K/V, a foresight drafter's adapter and
+decoder caches: `DraftContext.states`, keyed by the proposer). The proposer is told `add_request` when the
+target starts a request (its prompt's target states are in the context), `commit` after each outcome (the
+round's tokens and target states are committed in the context), `propose` when a round wants a block,
+`propose_batch` for several requests' blocks at once, `foresee` while the target verifies (pipelined).
 
 A proposer takes the committed target states out of the context in `commit`, but runs its models over them
 only when it next drafts (`propose`, `foresee`): `commit` runs before the worker answers the outcome, and a
@@ -17,13 +18,13 @@ context, and the next draft takes them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from ..protocol.kinds import Refinement
 from ..protocol.messages import HiddenLayout, LinearStates, SamplingParams
-from .speculation_cache import CacheEntry
+from .speculation_cache import CacheEntry, ForeseenBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,9 @@ class DraftContext:
     refinement: Refinement | None = None  # the request's self-refinement (StartDraft); None = the drafter's
     # Hybrid targets: the newest committed linear-attention state the target sent (`layout.state_layers`)
     linear_states: LinearStates | None = None
+    foreseen: ForeseenBlocks = field(default_factory=ForeseenBlocks)  # pre-drafted for the next round (pipelined)
+    # Each proposer's own state for the request, created by the proposer on first use under its key.
+    states: dict[str, Any] = field(default_factory=dict)
 
     def absorb(self, accepted: int, bonus: int, hidden: torch.Tensor | None,
                linear_states: LinearStates | None = None) -> None:
@@ -106,8 +110,8 @@ class Proposer(Protocol):
         (a `commit` that failed or was not called)."""
         ...
 
-    def release(self, req_id: str) -> None:
-        """The request ended: drop its state."""
+    def propose_batch(self, ctxs: list[DraftContext], max_drafts: list[int]) -> list[Draft]:
+        """`propose` for several requests, as one batch where the proposer can (`propose_each`: one by one)."""
         ...
 
 
@@ -131,6 +135,11 @@ class ForesightProposer(Proposer, Protocol):
     # requests at once (one list of entries per request); the worker then runs every queued job in one call.
 
 
+def propose_each(proposer: Proposer, ctxs: list[DraftContext], max_drafts: list[int]) -> list[Draft]:
+    """`propose_batch` of a proposer that drafts one request at a time."""
+    return [proposer.propose(ctx, n) for ctx, n in zip(ctxs, max_drafts)]
+
+
 class StatelessProposer:
     """A proposer that keeps nothing per request (prompt lookup, scripted test proposers)."""
 
@@ -142,5 +151,5 @@ class StatelessProposer:
     def commit(self, ctx: DraftContext) -> None:
         pass
 
-    def release(self, req_id: str) -> None:
-        pass
+    def propose_batch(self, ctxs: list[DraftContext], max_drafts: list[int]) -> list[Draft]:
+        return propose_each(self, ctxs, max_drafts)

@@ -1,11 +1,12 @@
 """The speculation cache: blocks pre-drafted for the verification outcomes the drafter expects.
 
-Entries are keyed by request, round and outcome (k, a). An entry made for round r answers only the
-Outcome of round r: a block pre-drafted for another round is stale and is never returned.
+Each request keeps its own (`DraftContext.foreseen`), keyed by round and outcome (k, a). An entry made for
+round r answers only the Outcome of round r: a block pre-drafted for another round is stale and is never
+returned.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True, frozen=True)
@@ -19,27 +20,24 @@ class CacheEntry:
     confidence: tuple[float, ...] = ()  # the proposer's top-1 probability of each token (empty: none)
 
 
-class SpeculationCache:
-    def __init__(self) -> None:
-        self._rounds: dict[str, int] = {}  # req_id -> the round its entries answer
-        self._entries: dict[str, dict[tuple[int, int], CacheEntry]] = {}
+@dataclass(slots=True)
+class ForeseenBlocks:
+    """One request's pre-drafted blocks: those for one round, by outcome."""
 
-    def fill(self, req_id: str, round_: int, entries: list[CacheEntry]) -> None:
-        """Replace the request's entries with those pre-drafted for `round_`."""
-        self._rounds[req_id] = round_
-        self._entries[req_id] = {(e.accepted, e.bonus): e for e in entries}
+    round: int = -1  # the round whose Outcome they answer (-1: none)
+    entries: dict[tuple[int, int], CacheEntry] = field(default_factory=dict)  # (accepted, bonus) -> entry
 
-    def lookup(self, req_id: str, round_: int, accepted: int, bonus: int) -> CacheEntry | None:
-        """The entry for this outcome, if one was pre-drafted for this very round; the request's
-        entries are spent either way (the next round needs new ones)."""
-        entries = self._entries.pop(req_id, {})
-        if self._rounds.pop(req_id, None) != round_:
-            return None
-        return entries.get((accepted, bonus))
+    def fill(self, round_: int, entries: list[CacheEntry]) -> None:
+        """Replace the entries with those pre-drafted for `round_`."""
+        self.round = round_
+        self.entries = {(e.accepted, e.bonus): e for e in entries}
 
-    def drop(self, req_id: str) -> None:
-        self._rounds.pop(req_id, None)
-        self._entries.pop(req_id, None)
+    def take(self, round_: int, accepted: int, bonus: int) -> CacheEntry | None:
+        """The entry for this outcome, if one was pre-drafted for this very round; the entries are spent either
+        way (the next round needs new ones)."""
+        entries, matches = self.entries, self.round == round_
+        self.round, self.entries = -1, {}
+        return entries.get((accepted, bonus)) if matches else None
 
     def __len__(self) -> int:
-        return sum(len(e) for e in self._entries.values())
+        return len(self.entries)

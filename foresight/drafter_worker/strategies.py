@@ -22,8 +22,8 @@ from .proposer import Draft, DraftContext, Proposer
 class HybridProposer:
     """Prompt lookup when the context ends in an n-gram of at least `min_match` tokens seen before (what
     follows it is then usually right, and costs nothing to draft), else the draft model. A view over the
-    draft model's proposer: the per-request state is the model's (the worker adds, commits and releases
-    requests on the primary proposer only)."""
+    draft model's proposer: the per-request state is the model's (the worker adds and commits requests on the
+    primary proposer only)."""
 
     name = "hybrid"
     supports_foresight = False
@@ -38,9 +38,6 @@ class HybridProposer:
         pass  # the model's state: see the class docstring
 
     def commit(self, ctx: DraftContext) -> None:
-        pass
-
-    def release(self, req_id: str) -> None:
         pass
 
     def propose(self, ctx: DraftContext, max_drafts: int) -> Draft:
@@ -58,9 +55,7 @@ class HybridProposer:
             if drafts[-1] is None:
                 rest.append(i)
         if rest:
-            batch = getattr(self.model, "propose_batch", None)
-            got = (batch([ctxs[i] for i in rest], [max_drafts[i] for i in rest]) if batch is not None else
-                   [self.model.propose(ctxs[i], max_drafts[i]) for i in rest])
+            got = self.model.propose_batch([ctxs[i] for i in rest], [max_drafts[i] for i in rest])
             for i, draft in zip(rest, got):
                 drafts[i] = draft
         return drafts

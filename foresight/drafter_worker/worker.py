@@ -38,7 +38,6 @@ from ..placement import pin_worker
 from ..protocol.sockets import MessageSocket
 from .ngram import NgramProposer
 from .proposer import Draft, DraftContext, Proposer
-from .speculation_cache import SpeculationCache
 from .strategies import auto_strategies, offered_strategies
 from ..control.costs import CostBySize, RunningCost
 from ..control.verify_length import VerifyLengthController
@@ -118,8 +117,7 @@ class DrafterWorker:
         self.recv_from_target = MessageSocket(ctx, zmq.PULL, addrs.target_to_drafter, bind=True)
         self.send_to_target = MessageSocket(ctx, zmq.PUSH, addrs.drafter_to_target, bind=False)
         self.send_to_api = MessageSocket(ctx, zmq.PUSH, addrs.workers_to_api, bind=False)
-        self.contexts: dict[str, DraftContext] = {}
-        self.cache = SpeculationCache()
+        self.contexts: dict[str, DraftContext] = {}  # every request's one object (its state, its foreseen blocks)
         self.jobs: deque[ForesightJob] = deque()
         self.catch_ups: deque[CatchUp] = deque()  # run when no message and no foresight job waits
         self.verify = RunningCost()  # the target's verify time of our blocks: the foresight budget
@@ -239,7 +237,7 @@ class DrafterWorker:
             return None
         ctx.proposer = proposer.name
         t0 = time.perf_counter()
-        entry = self.cache.lookup(msg.req_id, msg.round, msg.accepted, msg.bonus) if ctx.pipelined else None
+        entry = ctx.foreseen.take(msg.round, msg.accepted, msg.bonus) if ctx.pipelined else None
         if entry is None:
             return BlockAsk(ctx, proposer, msg.max_drafts, t0)
         aligned = len(entry.confidence) == len(entry.tokens)  # refined rows carry none
@@ -252,7 +250,7 @@ class DrafterWorker:
         proposer = asks[0].proposer
         lengths = [self.draft_length(a.ctx, a.max_drafts, a.ctx.round) for a in asks]
         drafts = None
-        if len(asks) > 1 and hasattr(proposer, "propose_batch"):
+        if len(asks) > 1:
             try:
                 drafts = [d.prefix(n) for d, n in zip(proposer.propose_batch([a.ctx for a in asks], lengths), lengths)]
             except Exception:  # drafted one by one below, where a failure costs only its own request's drafts
@@ -330,7 +328,7 @@ class DrafterWorker:
         except Exception:
             log.exception("request %s: foresight drafting failed; the next round misses the cache", job.req_id)
             return
-        self.cache.fill(job.req_id, job.round + 1, entries)
+        ctx.foreseen.fill(job.round + 1, entries)
 
     def run_foresight_batch(self, jobs: list[ForesightJob]) -> None:
         """`run_foresight` for several live jobs in one `foresee_batch`. A message that arrives meanwhile ends
@@ -348,8 +346,8 @@ class DrafterWorker:
             for job in jobs:
                 self.run_foresight(job)
             return
-        for job, entries in zip(jobs, got):
-            self.cache.fill(job.req_id, job.round + 1, entries)
+        for ctx, job, entries in zip(ctxs, jobs, got):
+            ctx.foreseen.fill(job.round + 1, entries)
 
     def run_catch_up(self) -> None:
         """Go on with the oldest catch-up until a message waits or it is done; done, answer DrafterIdle (also
@@ -367,9 +365,7 @@ class DrafterWorker:
                 self.send_to_target.send(DrafterIdle(req_id=job.req_id, round=job.round))
 
     def on_release(self, msg: ReleaseDraft) -> None:
-        self.contexts.pop(msg.req_id, None)
-        self.cache.drop(msg.req_id)
-        self.proposer.release(msg.req_id)
+        self.contexts.pop(msg.req_id, None)  # the request's state goes with its context
 
     def on_shutdown(self, msg: Shutdown) -> None:
         self.stopping = True

@@ -57,12 +57,9 @@ def speculate(runner: TargetRunner, proposer, prompt: list[int], max_tokens: int
                        hidden=[res.hidden] if res.hidden is not None else [],
                        linear_states=runner.linear_states(cache, len(prompt)))
     ctx.absorb(0, first, None)
-    proposer.add_request(ctx)
-    try:
-        return _round_loop(runner, proposer, ctx, cache, gen, first, max_tokens, temperature, block_size, eos,
-                           on_verified)
-    finally:
-        proposer.release(ctx.req_id)
+    proposer.add_request(ctx)  # its state lives in `ctx`, and goes with it
+    return _round_loop(runner, proposer, ctx, cache, gen, first, max_tokens, temperature, block_size, eos,
+                       on_verified)
 
 
 def _round_loop(runner: TargetRunner, proposer, ctx: DraftContext, cache, gen: torch.Generator, first: int,

@@ -30,14 +30,18 @@ class ScriptedForesight(ForesightDrafter):
                          use_budget=False, **kw)
         self.target, self.check_decoder = target, check_decoder
         self.vocab = target.config.vocab_size
-        self.decoder_stats: list[tuple[int, int]] = []  # (adopted, stale) of each released request's decoder
+        self.decoder_stats: dict[str, tuple[int, int]] = {}  # req_id -> (adopted, stale) of its decoder, lately
         self.foresee_calls = 0
 
         self.decoder_errors: list[float] = []  # per foresight call: max |decoder logits - target logits|
 
-    def foresee(self, *args, **kw):
+    def foresee(self, ctx, *args, **kw):
         self.foresee_calls += 1
-        return super().foresee(*args, **kw)
+        try:
+            return super().foresee(ctx, *args, **kw)
+        finally:
+            decoder = self.state(ctx).decoder
+            self.decoder_stats[ctx.req_id] = (decoder.adopted, decoder.stale)
 
     @torch.inference_mode()
     def _predict_blocks(self, states, ctxs, blocks):
@@ -77,8 +81,3 @@ class ScriptedForesight(ForesightDrafter):
                                       for o in p.picked]), "none")
                 for p in parts]
 
-    def release(self, req_id: str) -> None:
-        state = self.requests.get(req_id)
-        if state is not None:
-            self.decoder_stats.append((state.decoder.adopted, state.decoder.stale))
-        super().release(req_id)

@@ -26,6 +26,16 @@ ATOL = 1e-5
 ARCHS = ["llama", "qwen3_5"]  # attention layers; Gated DeltaNet layers (the adapter's stages, the decoder's layer 2)
 
 
+class RecordedFill:
+    """Stands in for a request's `ForeseenBlocks`: what foresight fills in goes to `filled[req_id]`."""
+
+    def __init__(self, req_id: str, filled: dict):
+        self.req_id, self.filled = req_id, filled
+
+    def fill(self, round_: int, entries: list) -> None:
+        self.filled[self.req_id] = (round_, entries)
+
+
 def sequence(seed: int, n: int = 40) -> list[int]:
     return torch.randint(0, VOCAB - 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -188,7 +198,7 @@ def test_a_request_whose_part_fails_fails_alone():
     passes = drafter.decoder.logits_and_hidden_many
 
     def failing(caches, *args, **kw):
-        if any(c is drafter.requests["r1"].decoder for c in caches):
+        if any(c is drafter.state(worker.contexts["r1"]).decoder for c in caches):
             raise RuntimeError("r1's part fails")
         return passes(caches, *args, **kw)
 
@@ -204,7 +214,8 @@ def test_a_request_whose_part_fails_fails_alone():
                        for i in range(3)])
         blocks = [from_drafter.recv(timeout_ms=5000) for _ in range(3)]
         filled = {}
-        worker.cache.fill = lambda req_id, round_, entries: filled.__setitem__(req_id, (round_, entries))
+        for req_id, ctx in worker.contexts.items():
+            ctx.foreseen = RecordedFill(req_id, filled)
         assert len(worker.jobs) == 3
         worker.run_jobs()
     finally:

@@ -173,8 +173,8 @@ def test_proposer_absorbs_rounds_incrementally(target):
     fresh = DraftContext(req_id="s", tokens=list(ctx.tokens), seed=7, hidden=[states[:10]])
     assert len(proposer.propose(fresh, 7)) == 7  # whole-history encoding works too
     assert proposer.propose(ctx, 0) == Draft()
-    proposer.release("r")
-    assert set(proposer.requests) == {"s"}
+    assert set(ctx.states) == set(fresh.states) == {"draft_model"}  # each request's state in its own context
+    assert proposer.state(ctx) is not proposer.state(fresh)
 
 
 def test_commit_takes_the_rounds_states_and_the_next_draft_absorbs_them(target):

@@ -32,7 +32,9 @@ TOY_STRATEGY = [
      "    name = \"recall\"\n\n"
      "    def propose(self, ctx: DraftContext, max_drafts: int) -> Draft:\n"
      "        after = [i + 1 for i, t in enumerate(ctx.tokens[:-1]) if t == ctx.tokens[-1]]\n"
-     "        return Draft(ctx.tokens[after[-1]:after[-1] + max_drafts] if after else [])\n\n\n"
+     "        return Draft(ctx.tokens[after[-1]:after[-1] + max_drafts] if after else [])\n\n"
+     "    def propose_batch(self, ctxs: list[DraftContext], max_drafts: list[int]) -> list[Draft]:\n"
+     "        return [self.propose(ctx, n) for ctx, n in zip(ctxs, max_drafts)]\n\n\n"
      "def offered_strategies(primary: Proposer, cfg: EngineConfig) -> dict[Strategy, Proposer]:\n" + DOCSTRING
      + "    out: dict[Strategy, Proposer] = {Strategy.SYNC: primary, Strategy.RECALL: RecallProposer()}\n"),
 ]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from foresight.config import EngineConfig
-from foresight.drafter_worker.speculation_cache import CacheEntry, SpeculationCache
+from foresight.drafter_worker.speculation_cache import CacheEntry, ForeseenBlocks
 from support.inprocess import InProcessEngine
 from support.oracle_proposer import OracleForesight
 from support.tiny_models import plain_greedy, tiny_model
@@ -55,18 +55,15 @@ def test_sync_requests_never_consult_the_cache(model):
 
 
 def test_cache_answers_only_its_own_round_and_is_spent_by_a_lookup():
-    cache = SpeculationCache()
+    cache = ForeseenBlocks()
     entry = CacheEntry(accepted=2, bonus=7, tokens=(1, 2, 3))
-    cache.fill("r", 5, [entry])
-    assert cache.lookup("r", 4, 2, 7) is None  # stale: made for round 5
-    cache.fill("r", 5, [entry])
-    assert cache.lookup("r", 5, 2, 8) is None  # another outcome
-    assert cache.lookup("r", 5, 2, 7) is None  # spent by the previous lookup
-    cache.fill("r", 5, [entry])
-    assert cache.lookup("r", 5, 2, 7) == entry
-    cache.fill("r", 6, [entry])
-    cache.drop("r")
-    assert cache.lookup("r", 6, 2, 7) is None and len(cache) == 0
+    cache.fill(5, [entry])
+    assert cache.take(4, 2, 7) is None  # stale: made for round 5
+    cache.fill(5, [entry])
+    assert cache.take(5, 2, 8) is None  # another outcome
+    assert cache.take(5, 2, 7) is None  # spent by the previous lookup
+    cache.fill(5, [entry])
+    assert len(cache) == 1 and cache.take(5, 2, 7) == entry and len(cache) == 0
 
 
 def test_pipelined_is_refused_without_a_foresight_drafter(model):
