@@ -7,7 +7,7 @@ from functools import partial
 
 import torch
 
-from ..protocol.messages import DraftBlock
+from ..protocol.messages import DraftBlock, RoundStats
 from .logit_rules import LogitRules
 from .request_state import RequestState
 from ..spec.sampling import PositionDraws
@@ -31,8 +31,8 @@ class StepPlan:
 
 
 @dataclass(slots=True)
-class RoundDrafts:
-    """What one request's round verifies."""
+class Round:
+    """One request's round, from its drafts to the `RoundStats` of its verification."""
 
     state: RequestState
     draft: list[int]
@@ -43,6 +43,14 @@ class RoundDrafts:
     def with_drafts(self) -> bool:
         """Does the round verify a block from the drafter?"""
         return self.block is not None
+
+    def stats(self, verdict: Verdict, verify_s: float, compiled: bool | None) -> RoundStats:
+        """What the api hears of the round (`compiled`: whether a graph ran its forward; None: no graphs)."""
+        block = self.block
+        return RoundStats(drafted=len(self.draft), accepted=verdict.accepted, nucleus_extra=verdict.nucleus_extra,
+                          verify_s=verify_s, exposed_draft_s=self.exposed,
+                          cache_hit=block.cache_hit if block else None, passes=block.passes if block else 0,
+                          refreshes=block.refreshes if block else 0, strategy=self.state.strategy, compiled=compiled)
 
 
 def verify_block(logits: torch.Tensor, draft: list[int], sampling, draws: PositionDraws, position: int) -> Verdict:

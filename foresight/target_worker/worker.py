@@ -67,7 +67,7 @@ from .logit_rules import LogitRules
 from .logprobs import committed_logprobs, prompt_chunk_logprobs
 from .grammar import GrammarError, GrammarState, grammar_tokenizer
 from .shared_prefill import prefill_twins, take_prefill
-from .steps import (RoundDrafts, StepPlan, decided_by_argmax, drafter_seed, eos_ids, last_row, ruled, take_verdict,
+from .steps import (Round, StepPlan, decided_by_argmax, drafter_seed, eos_ids, last_row, ruled, take_verdict,
                     verify_block)
 from ..control.round_planner import RoundPlanner
 
@@ -393,7 +393,7 @@ class TargetWorker:
         for state in states:
             t0 = time.perf_counter()
             try:
-                rounds.append(self.round_drafts(state))
+                rounds.append(self.start_round(state))
             except Exception:
                 self.fail(state)
             else:
@@ -413,7 +413,7 @@ class TargetWorker:
         if chunk_state is not None and chunk_state.req_id in self.requests:
             self.guarded(chunk_state, self.prefill, chunk_state, budget)
 
-    def run_batched(self, rounds: list[RoundDrafts], chunk_state: RequestState | None, budget: int) -> bool:
+    def run_batched(self, rounds: list[Round], chunk_state: RequestState | None, budget: int) -> bool:
         """One forward over `rounds`' blocks and `chunk_state`'s next chunk; False if it raised (nothing fed)."""
         chunk = self.next_chunk(chunk_state, budget) if chunk_state is not None else None
         blocks = [[r.state.anchor, *r.draft] for r in rounds]
@@ -433,21 +433,21 @@ class TargetWorker:
             self.guarded(chunk_state, self.chunk_done, chunk_state, chunk, results[-1])
         return True
 
-    def round_drafts(self, state: RequestState) -> RoundDrafts:
+    def start_round(self, state: RequestState) -> Round:
         """The drafts a round verifies: the drafter's block, or the target's own (none, or prompt lookup)."""
         if not state.awaits_block():
-            return RoundDrafts(state, self.local_drafts(state), None, None)
+            return Round(state, self.local_drafts(state), None, None)
         block = state.take_block()
-        return RoundDrafts(state, block.tokens, block, state.block_received_at - state.outcome_sent_at)
+        return Round(state, block.tokens, block, state.block_received_at - state.outcome_sent_at)
 
-    def verify_alone(self, r: RoundDrafts) -> None:
+    def verify_alone(self, r: Round) -> None:
         t0 = time.perf_counter()
         result = self.runner.verify(r.state.cache, r.state.anchor, r.draft, argmax_only=decided_by_argmax(r.state))
         verify_s = time.perf_counter() - t0
         self.planner.shares([1 + len(r.draft)], verify_s)  # alone, the round pays the whole forward
         self.finish_round(r, result, verify_s)
 
-    def finish_round(self, r: RoundDrafts, result, verify_s: float, share_s: float | None = None) -> None:
+    def finish_round(self, r: Round, result, verify_s: float, share_s: float | None = None) -> None:
         """Apply the request's verification rule to its block's logits, crop what was rejected, commit.
         `verify_s`: the forward's time; `share_s`: this request's part of it when batched (StepCost)."""
         state, draft, req = r.state, r.draft, r.state.request
@@ -459,12 +459,7 @@ class TargetWorker:
         state.verify_share_s = share_s
         share_s = verify_s if share_s is None else share_s
         state.round_cost_s, state.waited_s = state.waited_s + share_s, 0.0
-        block = r.block
-        stats = RoundStats(drafted=len(draft), accepted=verdict.accepted, nucleus_extra=verdict.nucleus_extra,
-                           verify_s=verify_s, exposed_draft_s=r.exposed,
-                           cache_hit=block.cache_hit if block else None, passes=block.passes if block else 0,
-                           refreshes=block.refreshes if block else 0, strategy=state.strategy,
-                           compiled=result.compiled if self.runner.compiled is not None else None)
+        stats = r.stats(verdict, verify_s, result.compiled if self.runner.compiled is not None else None)
         if not r.with_drafts:
             self.lookup.observe(len(draft), verdict.accepted, share_s)
         committed = draft[: verdict.accepted] + [verdict.token]
