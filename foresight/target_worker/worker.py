@@ -12,9 +12,9 @@ drafter has lost their contexts. Requests that start once it is back (`DrafterSt
 
 Each round of a request runs one strategy (`protocol.kinds.Strategy`), named in the `Outcome` that asks for its
 block: the one the round planner decides (`control/round_planner.py`: the request's mode, or in mode `auto` the
-best measured goodput, unless load or a catch-up holds the round to the target). Two strategies need no drafter: "ar" (a plain step) and "ngram" (prompt lookup,
-run here: `local_lookup.py`). An `auto` round that runs one of them still tells the drafter its outcome
-(so the drafter's context stays current) but waits for no block.
+best measured goodput, unless load or a catch-up holds the round to the target). Two strategies need no drafter:
+"ar" (a plain step) and "ngram" (prompt lookup, run here: `local_lookup.py`). An `auto` round that runs one of them
+still tells the drafter its outcome (so the drafter's context stays current) but waits for no block.
 """
 from __future__ import annotations
 
@@ -166,9 +166,10 @@ class TargetWorker:
 
     def report_controllers(self, idle: bool = False) -> None:
         """The round planner's figures to the api (for Prometheus), when steps ran since the last report: every
-        CONTROLLER_STATS_S while serving, and as the worker goes idle."""
+        CONTROLLER_STATS_S while serving, and once no request runs (`idle`: the loop found nothing to do; a round
+        that waits for its block is not the end of the work, and the report must not delay the block's poll)."""
         now = time.perf_counter()
-        if self.stats_pending and (idle or now - self.stats_sent_at >= CONTROLLER_STATS_S):
+        if self.stats_pending and ((idle and not self.requests) or now - self.stats_sent_at >= CONTROLLER_STATS_S):
             self.send_to_api.send(self.planner.stats())
             self.stats_sent_at, self.stats_pending = now, False
 

@@ -1,9 +1,9 @@
 """Adding a strategy takes two edits: its `Strategy` member, and its proposer registered in `offered_strategies`.
 
-The test carries that diff for a toy strategy ("recall": what followed the anchor where it last occurred), applies it to a copy of the package
-and serves with it in a fresh interpreter: the mode exists, the target asks the drafter for its blocks, greedy
-output equals plain greedy decoding (with acceptances and rejections), mode auto offers it, and the api's metrics
-count its rounds. Each edit's anchor must occur exactly once in the real source, so the diff stays true."""
+The test carries that diff for a toy strategy ("recall": what followed the anchor where it last occurred),
+applies it to a copy of the package and serves with it in a fresh interpreter: the mode exists, the target asks
+the drafter for its blocks, greedy output equals plain greedy decoding (with acceptances and rejections), mode auto
+offers it, and the api's metrics count its rounds. Each edit's anchor must occur exactly once in the real source, so the diff stays true."""
 from __future__ import annotations
 
 import os
@@ -17,8 +17,8 @@ import foresight
 PACKAGE = Path(foresight.__file__).parent
 TESTS = Path(__file__).parents[1]
 
-DOCSTRING = ('    """Strategy -> the proposer that drafts it, for every strategy this drafter can run. A new strategy is a\n'
-             '    `Strategy` member and its proposer here (tests/unit/test_new_strategy.py)."""\n')
+DOCSTRING = ('    """Strategy -> the proposer that drafts it, for every strategy this drafter can run. A new strategy'
+             ' is a\n    `Strategy` member and its proposer here (tests/unit/test_new_strategy.py)."""\n')
 # (file, text that is there, what replaces it): every place a new strategy touches.
 TOY_STRATEGY = [
     ("protocol/kinds.py",
