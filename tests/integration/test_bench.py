@@ -13,7 +13,7 @@ from support.suite_dtype import resolved_suite_dtype, suite_dtype
 pytestmark = pytest.mark.integration
 
 MODE_FIELDS = {"tokens_per_s", "output_tokens", "wall_s", "rounds", "tau", "hit_rate", "exposed_draft_ms_mean",
-               "exposed_draft_ms_p50", "exposed_draft_ms_p90", "verify_ms_mean", "outputs_match_ar",
+               "exposed_draft_ms_p50", "exposed_draft_ms_p90", "verify_ms_mean", "outputs_match_ar", "outputs_sha256",
                "verified_drafts_mean", "passes_mean", "refreshes_mean", "strategy_rounds", "tau_hits", "tau_misses",
                "compiled_rounds", "warmup_s"}
 PROBE_FIELDS = {"mismatches", "mismatches_near_tie", "mismatches_unexplained", "mismatch_details"}
@@ -71,6 +71,8 @@ def test_bench_report(tmp_path):
     assert report["ratios"]["auto_vs_best_of_ar_ngram"] == report["ratios"]["auto_vs_ar"]  # no ngram run here
     if resolved_suite_dtype() == torch.float32:
         assert report["refinement"]["none"]["outputs_match_ar"] == 1.0
+        # every mode's outputs equal ar's, so their digests do too
+        assert len({report["modes"][mode]["outputs_sha256"] for mode in report["modes"]}) == 1
     assert set(report["peers"]) == {"hf@2t", "hf@1t", "hf-pld@2t", "hf-pld@1t"}
     for peer in report["peers"].values():
         assert peer["tokens_per_s"] > 0 and set(peer["modes_vs_peer"]) == {"ar", "sync", "pipelined", "auto"}
