@@ -107,9 +107,13 @@ class RoundPlanner:
 
     # ------------------------------------------------------------------ steps
 
+    def forward_done(self, positions: int, seconds: float) -> None:
+        """A forward fed `positions` and took `seconds` (the step-cost fit's data)."""
+        self.step_cost.observe(positions, seconds)
+
     def shares(self, lengths: list[int], seconds: float) -> list[float]:
         """A forward fed `lengths[b]` positions for row b and took `seconds`: each row's part of it."""
-        self.step_cost.observe(sum(lengths), seconds)
+        self.forward_done(sum(lengths), seconds)
         return self.step_cost.shares(lengths, seconds)
 
     def committed(self, tokens: int) -> None:

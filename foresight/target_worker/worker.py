@@ -445,7 +445,7 @@ class TargetWorker:
         t0 = time.perf_counter()
         result = self.runner.verify(r.state.cache, r.state.anchor, r.draft, argmax_only=decided_by_argmax(r.state))
         verify_s = time.perf_counter() - t0
-        self.planner.shares([1 + len(r.draft)], verify_s)  # alone, the round pays the whole forward
+        self.planner.forward_done(1 + len(r.draft), verify_s)  # alone, the round pays the whole forward
         self.finish_round(r, result, verify_s)
 
     def finish_round(self, r: Round, result, verify_s: float, share_s: float | None = None) -> None:
