@@ -3,7 +3,7 @@
 Three controllers have a say, in this order of precedence:
     the load policy   under load, whether rounds may wait for the drafter at all (`load_policy.py`);
     the catch-up hold mode auto's switch to "pipelined" first runs prompt lookup while the drafter's adapter
-                      and decoder take in the positions they missed (`RoundPlanner.awaits_catch_up`);
+                      and decoder take in the positions they missed (`RoundPlanner.catch_up_hold`);
     the chooser       mode auto's strategy by measured goodput (`strategy_choice.py`); a fixed mode runs its own.
 How many drafts a round verifies is the verify-length controller's (`verify_length.py`): the target's for its
 own prompt lookup, the drafter's for the blocks it drafts (it sees its drafts' confidences).
@@ -16,6 +16,7 @@ The planner reads and writes the planning fields of the target's per-request sta
 """
 from __future__ import annotations
 
+import enum
 import time
 from typing import Iterable, Protocol
 
@@ -26,9 +27,23 @@ from .step_cost import StepCost
 from .strategy_choice import RequestChoice, StrategyChooser, request_group, round_context
 
 # Mode auto switching to "pipelined" with at least this many positions its adapter and decoder have not taken
-# in runs prompt lookup until the drafter has caught up on them (`awaits_catch_up`); fewer, the first
+# in runs prompt lookup until the drafter has caught up on them (`catch_up_hold`); fewer, the first
 # foresight job takes them within its round (fp32, 2-core CPU: 16 positions of the 15-layer decoder ~40 ms).
 CATCH_UP_MIN = 16
+
+
+class Hold(enum.Enum):
+    """Why a request's current round does not run its own strategy (one at a time: the load policy comes first)."""
+
+    NONE = "none"  # it runs its own strategy
+    LOAD = "load"  # the load policy holds it to the target alone
+    CATCH_UP_DUE = "catch_up_due"  # prompt lookup; this round's Outcome asks the drafter to catch up
+    CATCH_UP_ASKED = "catch_up_asked"  # prompt lookup until the DrafterIdle of that Outcome
+    CATCH_UP_DONE = "catch_up_done"  # answered: the round after this one pipelines
+
+    @property
+    def catching_up(self) -> bool:
+        return self in (Hold.CATCH_UP_DUE, Hold.CATCH_UP_ASKED, Hold.CATCH_UP_DONE)
 
 
 class PlannedRequest(Protocol):
@@ -38,9 +53,7 @@ class PlannedRequest(Protocol):
     strategy: Strategy  # how the current round runs
     choice: RequestChoice | None  # mode auto: its side of the strategy choice
     drafting: bool  # the drafter holds its context
-    held_local: bool  # the current round runs on the target alone because of the load policy
-    held_for_catch_up: bool  # the current round runs prompt lookup until the drafter caught up
-    catch_up_round: int  # the round of the catch-up not answered yet (0: none)
+    hold: Hold  # why the current round does not run its own strategy
     foreseen: int  # positions the drafter's adapter and decoder have taken in
     round_cost_s: float  # the target's time the round just verified consumed
     positions: int
@@ -71,35 +84,36 @@ class RoundPlanner:
     def next_strategy(self, state: PlannedRequest, committed: int | None, tokens: list[int]) -> Strategy:
         """The strategy of the request's next round; in mode auto, after measuring the round that just
         committed `committed` tokens (None: the prefill, which is not a round). `tokens`: prompt + output."""
-        ran_own = not state.held_local and not state.held_for_catch_up  # it ran the request's own strategy
-        state.held_local = self.policy is not None and self.policy.local
-        if state.choice is not None and committed is not None and ran_own:
-            self.chooser.observe(state.choice, committed, state.round_cost_s)
-            self.chooser.advance(state.choice, self.context(tokens))
-        elif state.choice is not None and committed is not None and state.held_for_catch_up:
-            self.chooser.observe_held(state.choice, committed, state.round_cost_s)  # a trial's catch-up costs it
-        if state.held_local:  # under load the target does better alone
+        if state.choice is not None and committed is not None:
+            if state.hold == Hold.NONE:  # it ran the request's own strategy
+                self.chooser.observe(state.choice, committed, state.round_cost_s)
+                self.chooser.advance(state.choice, self.context(tokens))
+            elif state.hold.catching_up:  # a trial's catch-up costs it
+                self.chooser.observe_held(state.choice, committed, state.round_cost_s)
+        if self.policy is not None and self.policy.local:  # under load the target does better alone
+            state.hold = Hold.LOAD
             return self.policy.held_strategy(state.mode)
-        state.held_for_catch_up = self.awaits_catch_up(state)
-        if state.held_for_catch_up:
+        state.hold = self.catch_up_hold(state)
+        if state.hold != Hold.NONE:
             return Strategy.NGRAM
         return state.choice.current if state.choice is not None else Strategy(state.mode)
 
     @staticmethod
-    def awaits_catch_up(state: PlannedRequest) -> bool:
+    def catch_up_hold(state: PlannedRequest) -> Hold:
         """Does auto's switch to "pipelined" wait for the drafter to catch up? Its adapter and decoder have not
         taken in the positions committed since the request's last pipelined round (the prompt, rounds of
         other strategies): the first foresight job would, taking a 15-layer decoder over them, and the round
         after it would wait (it made each pipelined trial cost auto several rounds of lookup). So the request
         asks for the catch-up (`Outcome.catch_up`) and runs prompt lookup, unmeasured, until the drafter's
-        DrafterIdle."""
+        DrafterIdle. A load hold forgets a catch-up in progress; afterwards it is asked again if still due."""
         if state.choice is None or state.choice.current != Strategy.PIPELINED:
-            return False
-        if state.catch_up_round:
-            return True  # asked, not answered yet
-        if state.held_for_catch_up:
-            return False  # answered: the first foresight job takes in what the rounds meanwhile committed
-        return state.strategy != Strategy.PIPELINED and state.positions - state.foreseen >= CATCH_UP_MIN
+            return Hold.NONE
+        if state.hold == Hold.CATCH_UP_ASKED:
+            return Hold.CATCH_UP_ASKED  # not answered yet
+        if state.hold.catching_up:
+            return Hold.NONE  # answered: the first foresight job takes in what the rounds meanwhile committed
+        due = state.strategy != Strategy.PIPELINED and state.positions - state.foreseen >= CATCH_UP_MIN
+        return Hold.CATCH_UP_DUE if due else Hold.NONE
 
     def context(self, tokens: list[int]) -> str:
         """Mode auto's context of the round after `tokens` (strategy_choice.py)."""

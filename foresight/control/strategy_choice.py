@@ -119,7 +119,7 @@ class StrategyChooser:
 
     def observe_held(self, choice: RequestChoice, tokens: int, seconds: float) -> None:
         """A round that ran prompt lookup instead of the current strategy while the drafter caught up for it (the
-        round planner's `awaits_catch_up`): not a measurement of either, but when the current strategy is on
+        round planner's `catch_up_hold`): not a measurement of either, but when the current strategy is on
         trial, what the round lost to the catch-up is the trial's cost."""
         if choice.trial_rounds and choice.trial_due:
             self._charge(choice, tokens, seconds)

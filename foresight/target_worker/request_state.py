@@ -11,6 +11,7 @@ from ..protocol.messages import DraftBlock, GenerateRequest, TokenLogprobs
 from .grammar import GrammarState
 from .logit_rules import LogitRules
 from ..spec.sampling import PositionDraws
+from ..control.round_planner import Hold
 from ..control.strategy_choice import RequestChoice
 
 
@@ -42,8 +43,7 @@ class RequestState:
     # Mode auto switching to "pipelined": context positions the drafter's adapter and decoder have taken in or
     # take in with their next foresight job (a pipelined round's, a catch-up's); the rest they must catch up on.
     foreseen: int = 0
-    catch_up_round: int = 0  # the round of the catch-up Outcome the drafter has not answered yet (0: none)
-    held_for_catch_up: bool = False  # the current round runs prompt lookup until that answer (worker.py)
+    hold: Hold = Hold.NONE  # why the current round does not run the request's own strategy (round_planner.py)
     last_verify_s: float = 0.0  # the drafter's foresight budget for the next round
     # The target's time this request's rounds consumed (mode auto's price of a round): the idle time of the
     # target while it waited for this request's block (shared with others waiting), then its own part of
@@ -51,7 +51,6 @@ class RequestState:
     waited_s: float = 0.0  # since its last round ended
     round_cost_s: float = 0.0  # of the round just verified
     verify_share_s: float | None = None  # its part of that forward when it was batched (None: alone)
-    held_local: bool = False  # this round runs on the target alone because of the load policy (load_policy.py)
     outcome_sent_at: float = 0.0  # when we asked the drafter for `round`'s block
     block_received_at: float = 0.0
     arrived_at: float = field(default_factory=time.perf_counter)
@@ -89,8 +88,8 @@ class RequestState:
         self.strategy = Strategy.NGRAM if self.mode == Mode.AUTO else Strategy.AR
         self.choice = None
         self.block = None
-        self.drafter_winding_down = self.catch_up_round = 0
-        self.held_for_catch_up = False
+        self.drafter_winding_down = 0
+        self.hold = Hold.NONE
 
     @property
     def positions(self) -> int:

@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 
 from ..config import EngineConfig
+from ..control.round_planner import Hold
 from ..protocol.kinds import Strategy
 from .request_state import RequestState
 
@@ -40,8 +41,8 @@ def winding_down_only(states: Iterable[RequestState]) -> bool:
     DrafterIdle on the way? (After a sync or hybrid round the drafter answers at once; not so after a
     catch-up, which takes its time.)"""
     states = list(states)
-    return any(s.drafter_winding_down and s.drafter_winding_down != s.catch_up_round for s in states) \
-        and not any(_drafting_for(s) or s.catch_up_round for s in states)
+    return any(s.drafter_winding_down and s.hold != Hold.CATCH_UP_ASKED for s in states) \
+        and not any(_drafting_for(s) or s.hold == Hold.CATCH_UP_ASKED for s in states)
 
 
 class StepThreads:

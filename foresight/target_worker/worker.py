@@ -69,7 +69,7 @@ from .grammar import GrammarError, GrammarState, grammar_tokenizer
 from .shared_prefill import prefill_twins, take_prefill
 from .steps import (Round, StepPlan, decided_by_argmax, drafter_seed, eos_ids, last_row, ruled, take_verdict,
                     verify_block)
-from ..control.round_planner import RoundPlanner
+from ..control.round_planner import Hold, RoundPlanner
 
 log = logging.getLogger("foresight.target")
 
@@ -312,8 +312,8 @@ class TargetWorker:
         state = self.requests.get(msg.req_id)
         if state is not None and state.drafter_winding_down == msg.round:
             state.drafter_winding_down = 0
-        if state is not None and state.catch_up_round == msg.round:
-            state.catch_up_round = 0
+            if state.hold == Hold.CATCH_UP_ASKED:  # the catch-up's Outcome was this round's
+                state.hold = Hold.CATCH_UP_DONE
 
     # ------------------------------------------------------------------ one step of a request
 
@@ -507,7 +507,7 @@ class TargetWorker:
         block started (it would run on beside the target's steps). Rounds the drafter did not draft are
         kept and reported as the tokens it has not seen (`Outcome.drafts` + bonus) with the next round that
         wants a block."""
-        catch_up = state.held_for_catch_up and not state.catch_up_round
+        catch_up = state.hold == Hold.CATCH_UP_DUE
         if drafter_round and not state.unsent:
             outcome = dict(accepted=accepted, hidden=hidden, drafts=None)
         else:
@@ -529,7 +529,7 @@ class TargetWorker:
         elif not state.awaits_block():
             state.drafter_winding_down = state.round  # until its DrafterIdle: see drafter_busy
             if catch_up:
-                state.catch_up_round, state.foreseen = state.round, state.positions
+                state.hold, state.foreseen = Hold.CATCH_UP_ASKED, state.positions
 
     def apply_stops(self, state: RequestState, tokens: list[int]) -> tuple[list[int], str | None]:
         stop_ids = self.stop_ids(state.request)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from foresight.control.round_planner import CATCH_UP_MIN, RoundPlanner
+from foresight.control.round_planner import CATCH_UP_MIN, Hold, RoundPlanner
 from foresight.control.strategy_choice import RequestChoice
 from foresight.protocol.kinds import Mode, Strategy
 
@@ -19,9 +19,7 @@ class Planned:
     strategy: Strategy = Strategy.AR
     choice: RequestChoice | None = None
     drafting: bool = True
-    held_local: bool = False
-    held_for_catch_up: bool = False
-    catch_up_round: int = 0
+    hold: Hold = Hold.NONE
     foreseen: int = 0
     round_cost_s: float = 0.05
     positions: int = 10
@@ -50,24 +48,38 @@ def test_the_load_policy_comes_first():
     p.policy.current = "lookup"  # under load the target runs alone
     auto, sync = Planned(Mode.AUTO), Planned(Mode.SYNC)
     p.start(auto, 0.0, [1, 2, 3])
-    assert p.next_strategy(auto, None, [1, 2, 3]) == Strategy.NGRAM and auto.held_local
-    assert p.next_strategy(sync, None, [1, 2, 3]) == Strategy.AR and sync.held_local
+    assert p.next_strategy(auto, None, [1, 2, 3]) == Strategy.NGRAM and auto.hold == Hold.LOAD
+    assert p.next_strategy(sync, None, [1, 2, 3]) == Strategy.AR and sync.hold == Hold.LOAD
     p.policy.current = "draft"
-    assert p.next_strategy(sync, 2, [1, 2, 3, 4]) == Strategy.SYNC and not sync.held_local
+    assert p.next_strategy(sync, 2, [1, 2, 3, 4]) == Strategy.SYNC and sync.hold == Hold.NONE
 
 
 def test_a_switch_to_pipelined_is_held_on_lookup_until_the_drafter_caught_up():
     p = planner()
     state = Planned(Mode.AUTO, strategy=Strategy.NGRAM, positions=CATCH_UP_MIN + 5)
     state.choice = RequestChoice(group="greedy", current=Strategy.PIPELINED)
-    assert p.next_strategy(state, None, [1, 2, 3]) == Strategy.NGRAM and state.held_for_catch_up
-    state.catch_up_round = 4  # asked, not answered
-    assert RoundPlanner.awaits_catch_up(state)
-    state.catch_up_round = 0  # answered: the next round pipelines
-    assert not RoundPlanner.awaits_catch_up(state)
-    state.held_for_catch_up = False
-    state.foreseen = state.positions - 1  # little to catch up on: no hold
-    assert not RoundPlanner.awaits_catch_up(state)
+    assert p.next_strategy(state, None, [1, 2, 3]) == Strategy.NGRAM and state.hold == Hold.CATCH_UP_DUE
+    state.hold = Hold.CATCH_UP_ASKED  # the worker sent the catch-up's Outcome
+    assert p.next_strategy(state, 1, [1, 2, 3, 4]) == Strategy.NGRAM and state.hold == Hold.CATCH_UP_ASKED
+    state.hold = Hold.CATCH_UP_DONE  # its DrafterIdle came: the next round pipelines
+    assert p.next_strategy(state, 1, [1, 2, 3, 4, 5]) == Strategy.PIPELINED and state.hold == Hold.NONE
+    state.strategy, state.foreseen = Strategy.NGRAM, state.positions - 1  # little to catch up on: no hold
+    assert RoundPlanner.catch_up_hold(state) == Hold.NONE
+
+
+def test_a_load_hold_replaces_a_catch_up_and_is_not_charged_to_the_trial():
+    p = planner()
+    state = Planned(Mode.AUTO, strategy=Strategy.NGRAM, positions=CATCH_UP_MIN + 5)
+    state.choice = RequestChoice(group="greedy", current=Strategy.PIPELINED)
+    state.hold = Hold.CATCH_UP_ASKED
+    p.policy.current = "lookup"
+    charged = []
+    p.chooser.observe_held = lambda *args: charged.append(args)
+    assert p.next_strategy(state, 1, [1, 2, 3]) == Strategy.NGRAM and state.hold == Hold.LOAD
+    assert p.next_strategy(state, 1, [1, 2, 3, 4]) == Strategy.NGRAM and state.hold == Hold.LOAD
+    assert len(charged) == 1  # the catch-up round is the trial's cost; the rounds load held are not
+    p.policy.current = "draft"  # load gone: the catch-up is asked again, being still due
+    assert p.next_strategy(state, 1, [1, 2, 3, 4, 5]) == Strategy.NGRAM and state.hold == Hold.CATCH_UP_DUE
 
 
 def test_its_figures_are_the_controllers():

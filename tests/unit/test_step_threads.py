@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from foresight.config import EngineConfig
+from foresight.control.round_planner import Hold
 from foresight.protocol.messages import DraftBlock, GenerateRequest, SamplingParams
 from foresight.target_worker.request_state import RequestState
 from foresight.spec.sampling import PositionDraws
@@ -38,7 +39,7 @@ def test_the_drafter_is_busy_only_while_it_drafts_or_runs_foresight():
     assert not winding_down_only([switched, state("hybrid", None)])  # another request's block is being drafted
     assert not winding_down_only([state("ngram", None)])
     catching_up = state("ngram", None)
-    catching_up.drafter_winding_down = catching_up.catch_up_round = 8  # auto's catch-up before pipelined
+    catching_up.drafter_winding_down, catching_up.hold = 8, Hold.CATCH_UP_ASKED  # auto's catch-up before pipelined
     assert drafter_busy([catching_up])  # the drafter works for it, and takes its time: no wait for it
     assert not winding_down_only([catching_up]) and not winding_down_only([switched, catching_up])
 
