@@ -5,10 +5,7 @@ One busy loop: drain the api and drafter sockets, pick the next request that can
 A request that raises fails alone; an error outside a request's step kills the worker, which
 tells the api with `WorkerDead` first.
 
-The drafter is optional to correctness: every committed token is the target's own verdict. While the
-drafter is down (`DrafterStatus(up=False)` from the supervisor) requests take plain one-token steps
-instead of waiting; they stay on plain steps until they end, because a restarted
-drafter has lost their contexts. Requests that start once it is back (`DrafterStatus(up=True)`) draft.
+What the drafter is told and answers, and what happens while it is down: `drafter_link.py`.
 
 Each round of a request runs one strategy (`protocol.kinds.Strategy`), named in the `Outcome` that asks for its
 block: the one the round planner decides (`control/round_planner.py`: the request's mode, or in mode `auto` the
@@ -22,7 +19,6 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from dataclasses import replace
 
 import torch
 import zmq
@@ -32,18 +28,12 @@ from ..protocol.addresses import WorkerAddresses
 from ..protocol.kinds import LOCAL_STRATEGIES, Mode, Strategy
 from ..protocol.messages import (
     AbortRequest,
-    ControllerStats,
-    DraftBlock,
-    DrafterIdle,
     DrafterStatus,
     GenerateRequest,
     HiddenLayout,
-    Outcome,
-    ReleaseDraft,
     RequestFailed,
     RoundStats,
     Shutdown,
-    StartDraft,
     TokenLogprobs,
     TokenOutput,
     WorkerReady,
@@ -51,7 +41,6 @@ from ..protocol.messages import (
 from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
 from ..placement import pin_worker
 from ..protocol.sockets import MessageSocket
-from ..protocol.transport import default_transport
 from ..models.compiled_step import compiled_step_for
 from ..models.quantization import apply_quantization
 from ..models.cpu_linear import use_cpu_linears
@@ -59,22 +48,21 @@ from ..models.loading import cache_root, load_target, load_tokenizer, resolve_dt
 from .packed_step import packed_attention
 from .small_attention import SMALL_QUERY
 from ..spec.sampling import PositionDraws
+from .drafter_link import DrafterLink
 from .local_lookup import LocalLookup
 from .request_state import RequestState
 from .runner import TargetRunner
-from .step_threads import StepThreads, drafter_busy, winding_down_only
+from .step_threads import StepThreads
 from .logit_rules import LogitRules
 from .logprobs import committed_logprobs, prompt_chunk_logprobs
 from .grammar import GrammarError, GrammarState, grammar_tokenizer
 from .shared_prefill import prefill_twins, take_prefill
-from .steps import (Round, StepPlan, decided_by_argmax, drafter_seed, eos_ids, last_row, ruled, take_verdict,
-                    verify_block)
-from ..control.round_planner import Hold, RoundPlanner
+from .steps import Round, StepPlan, decided_by_argmax, eos_ids, last_row, ruled, take_verdict, verify_block
+from ..control.round_planner import RoundPlanner
 
 log = logging.getLogger("foresight.target")
 
 IDLE_POLL_MS = 100
-WIND_DOWN_WAIT_MS = 2  # see drafter_still_busy
 CONTROLLER_STATS_S = 1.0  # how often the round planner's figures go to the api (ControllerStats) while serving
 # What the api hears of an unexpected failure; the details go to this worker's log with the request id.
 INTERNAL_ERROR = "internal error in the target worker"
@@ -112,25 +100,19 @@ class TargetWorker:
         self.max_model_len = max_model_len
         self.recv_from_api = MessageSocket(ctx, zmq.PULL, addrs.api_to_target, bind=False)
         self.send_to_api = MessageSocket(ctx, zmq.PUSH, addrs.workers_to_api, bind=False)
-        # Connecting, not binding: messages wait in its queue while a (re)started drafter binds, instead of
-        # a send that blocks or fails for want of a peer.
-        self.send_to_drafter = MessageSocket(ctx, zmq.PUSH, addrs.target_to_drafter, bind=False)
-        self.recv_from_drafter = MessageSocket(ctx, zmq.PULL, addrs.drafter_to_target, bind=True)
+        self.requests: OrderedDict[str, RequestState] = OrderedDict()
+        self.link = DrafterLink(ctx, addrs, runner, self.requests, self.max_drafts)
         self.poller = zmq.Poller()
         self.poller.register(self.recv_from_api.socket, zmq.POLLIN)
-        self.poller.register(self.recv_from_drafter.socket, zmq.POLLIN)
-        self.requests: OrderedDict[str, RequestState] = OrderedDict()
+        self.poller.register(self.link.recv_socket.socket, zmq.POLLIN)
         self.seed_rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.stopping = False
-        self.drafter_up = True  # the supervisor starts the drafter first and says when it goes down
         self.heartbeats = Heartbeats(ctx, addrs.workers_to_api, "target")
         self.handlers = {
             GenerateRequest: self.on_generate,
             AbortRequest: self.on_abort,
             Shutdown: self.on_shutdown,
-            DrafterStatus: self.on_drafter_status,
-            DraftBlock: self.on_block,
-            DrafterIdle: self.on_drafter_idle,
+            DrafterStatus: self.link.on_status,
         }
 
     # ------------------------------------------------------------------ loop
@@ -146,7 +128,7 @@ class TargetWorker:
         while not self.stopping:
             self.heartbeats.turn()
             self.drain(self.recv_from_api)
-            self.drain(self.recv_from_drafter)
+            self.link.drain()
             plan = self.plan_step()
             if plan is None:
                 self.report_controllers(idle=True)
@@ -156,7 +138,7 @@ class TargetWorker:
                 continue
             if self.threads is not None:
                 t0 = time.perf_counter()
-                self.threads.use(drafter_busy=self.drafter_still_busy())
+                self.threads.use(drafter_busy=self.link.still_busy(self.threads.borrowable))
                 for state in plan.rounds:  # a switch's wait for DrafterIdle is its rounds' time
                     state.waited_s += (time.perf_counter() - t0) / len(plan.rounds)
             self.run_step(plan)
@@ -178,19 +160,6 @@ class TargetWorker:
         waiting = [s for s in self.requests.values() if s.prefilled and s.awaits_block() and s.block is None]
         for state in waiting:
             state.waited_s += seconds / len(waiting)
-
-    def drafter_still_busy(self) -> bool:
-        """Whether the next step must leave the drafter its threads. A request that just switched to a
-        round the target runs alone waits up to WIND_DOWN_WAIT_MS for the drafter's DrafterIdle: it comes
-        within a fraction of a millisecond after a sync or hybrid round, and then the step runs on both
-        shares instead of one (a foresight job may take longer; then the step goes on without it)."""
-        states = self.requests.values()
-        if self.threads.borrowable and winding_down_only(states):
-            deadline = time.perf_counter() + WIND_DOWN_WAIT_MS / 1e3
-            while winding_down_only(states) and (left := deadline - time.perf_counter()) > 0:
-                if self.recv_from_drafter.socket.poll(max(1, int(left * 1e3)), zmq.POLLIN):
-                    self.drain(self.recv_from_drafter)
-        return drafter_busy(states)
 
     def drain(self, sock: MessageSocket) -> None:
         while (msg := sock.recv_nowait()) is not None:
@@ -281,40 +250,6 @@ class TargetWorker:
     def on_shutdown(self, msg: Shutdown) -> None:
         self.stopping = True
 
-    def on_drafter_status(self, msg: DrafterStatus) -> None:
-        if msg.up:
-            log.info("the drafter is back: new requests draft again")
-            self.drafter_up = True
-        else:
-            self.drafter_lost(msg.reason or "the supervisor says it is down")
-
-    def drafter_lost(self, reason: str) -> None:
-        """Stop waiting for the drafter: every drafting request goes on with plain steps."""
-        log.warning("drafter down (%s): running requests go on without drafts", reason)
-        self.drafter_up = False
-        for state in self.requests.values():
-            state.detach()
-        self.send_to_drafter.reset()  # what waits in the queue was meant for the dead drafter
-        default_transport().peer_lost()  # CUDA slots it held are never acknowledged
-
-    def to_drafter(self, msg) -> bool:
-        """Send to the drafter, never blocking on it: False while it is down, or if its queue is full."""
-        return self.drafter_up and self.send_to_drafter.send(msg, block=False)
-
-    def on_block(self, block: DraftBlock) -> None:
-        state = self.requests.get(block.req_id)
-        if state is None or not state.awaits_block() or block.round != state.round or state.block is not None:
-            return  # stale: an older round, a request that ended or went on without the drafter
-        state.block = replace(block, tokens=block.tokens[: self.max_drafts(state)])
-        state.block_received_at = time.perf_counter()
-
-    def on_drafter_idle(self, msg: DrafterIdle) -> None:
-        state = self.requests.get(msg.req_id)
-        if state is not None and state.drafter_winding_down == msg.round:
-            state.drafter_winding_down = 0
-            if state.hold == Hold.CATCH_UP_ASKED:  # the catch-up's Outcome was this round's
-                state.hold = Hold.CATCH_UP_DONE
-
     # ------------------------------------------------------------------ one step of a request
 
     def prefill(self, state: RequestState, budget: int) -> None:
@@ -365,10 +300,7 @@ class TargetWorker:
         take_verdict(state, verdict)
         logprobs = self.round_logprobs(state, result, decided, [verdict.token])
         if state.mode not in LOCAL_STRATEGIES:
-            state.drafting = self.to_drafter(StartDraft(
-                req_id=req.req_id, prompt_ids=req.prompt_ids, seed=drafter_seed(state.draws.seed),
-                temperature=req.sampling.temperature, refinement=req.refinement, hidden=hidden,
-                sampling=req.sampling, linear_states=self.runner.linear_states(state.cache, state.prefill_pos)))
+            self.link.start(state, hidden)
         self.planner.start(state, req.sampling.temperature, req.prompt_ids + [verdict.token])
         self.commit(state, [verdict.token], accepted=0, stats=None, hidden=None, prefill=True, logprobs=logprobs)
 
@@ -498,38 +430,7 @@ class TargetWorker:
         if state.drafting:
             state.strategy = self.planner.next_strategy(state, len(tokens) if stats else None,
                                                         state.request.prompt_ids + state.output_ids)
-            self.tell_drafter(state, tokens, accepted, hidden, drafter_round)
-
-    def tell_drafter(self, state: RequestState, tokens: list[int], accepted: int, hidden: torch.Tensor | None,
-                     drafter_round: bool) -> None:
-        """Report a drafter round's outcome at once, as (accepted, bonus) of its own block: the next round
-        wants a block, or runs without the drafter, and then the message also ends the foresight job the
-        block started (it would run on beside the target's steps). Rounds the drafter did not draft are
-        kept and reported as the tokens it has not seen (`Outcome.drafts` + bonus) with the next round that
-        wants a block."""
-        catch_up = state.hold == Hold.CATCH_UP_DUE
-        if drafter_round and not state.unsent:
-            outcome = dict(accepted=accepted, hidden=hidden, drafts=None)
-        else:
-            state.unsent += tokens
-            if hidden is not None:
-                state.unsent_hidden.append(hidden)
-            if not state.awaits_block() and not catch_up:
-                return  # a plain or prompt-lookup round next: the drafter need not wake
-            outcome = dict(accepted=len(state.unsent) - 1, drafts=state.unsent[:-1],
-                           hidden=torch.cat(state.unsent_hidden) if state.unsent_hidden else None)
-            state.unsent, state.unsent_hidden = [], []
-        state.outcome_sent_at = time.perf_counter()
-        if not self.to_drafter(Outcome(req_id=state.req_id, round=state.round, bonus=state.anchor,
-                                       max_drafts=self.max_drafts(state), verify_s=state.last_verify_s,
-                                       verify_share_s=state.verify_share_s, strategy=state.strategy,
-                                       linear_states=self.runner.linear_states(state.cache, state.cached_positions),
-                                       catch_up=catch_up, **outcome)):
-            state.detach()  # no block will come for this round
-        elif not state.awaits_block():
-            state.drafter_winding_down = state.round  # until its DrafterIdle: see drafter_busy
-            if catch_up:
-                state.hold, state.foreseen = Hold.CATCH_UP_ASKED, state.positions
+            self.link.tell(state, tokens, accepted, hidden, drafter_round)
 
     def apply_stops(self, state: RequestState, tokens: list[int]) -> tuple[list[int], str | None]:
         stop_ids = self.stop_ids(state.request)
@@ -558,8 +459,8 @@ class TargetWorker:
 
     def drop(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
-        if state is not None and state.drafting:
-            self.to_drafter(ReleaseDraft(req_id=req_id))
+        if state is not None:
+            self.link.release(state)
 
 
 def prompt_chunk_tokens(cfg: EngineConfig) -> tuple[int, int]:

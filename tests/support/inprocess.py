@@ -102,7 +102,7 @@ class InProcessEngine:
         drafter_thread, target_thread = self.threads
         self.send_to_target.send(Shutdown())
         target_thread.join(timeout=10)
-        self.target.send_to_drafter.send(Shutdown())  # safe now: the target's thread has ended
+        self.target.link.send_socket.send(Shutdown())  # safe now: the target's thread has ended
         drafter_thread.join(timeout=10)
         self.ctx.destroy(linger=0)
         self.addrs.remove()

@@ -272,7 +272,8 @@ def test_a_switch_waits_a_moment_for_drafter_idle_before_borrowing():
     from foresight.target_worker.request_state import RequestState
     from foresight.target_worker.runner import TargetRunner
     from foresight.target_worker.step_threads import StepThreads
-    from foresight.target_worker.worker import WIND_DOWN_WAIT_MS, TargetWorker
+    from foresight.target_worker.drafter_link import WIND_DOWN_WAIT_MS
+    from foresight.target_worker.worker import TargetWorker
 
     zctx, addrs = zmq.Context(), WorkerAddresses.fresh()
     worker = TargetWorker(EngineConfig(drafter="ngram"), addrs, TargetRunner(tiny_model("llama")), zctx,
@@ -285,12 +286,12 @@ def test_a_switch_waits_a_moment_for_drafter_idle_before_borrowing():
         state.cache, state.round, state.drafter_winding_down = object(), 4, 4
         worker.requests["r"] = state
         t0 = time.perf_counter()
-        assert worker.drafter_still_busy()  # no answer: the step keeps its own threads ...
+        assert worker.link.still_busy(worker.threads.borrowable)  # no answer: the step keeps its own threads ...
         assert time.perf_counter() - t0 < 1.0 and state.drafter_winding_down == 4  # ... after a bounded wait
         assert WIND_DOWN_WAIT_MS <= 5
         to_target.send(DrafterIdle(req_id="r", round=4))
         time.sleep(0.05)  # it is in the target's queue, not yet handled: the loop drained before it came
-        assert not worker.drafter_still_busy() and state.drafter_winding_down == 0
+        assert not worker.link.still_busy(worker.threads.borrowable) and state.drafter_winding_down == 0
     finally:
         zctx.destroy(linger=0)
         addrs.remove()

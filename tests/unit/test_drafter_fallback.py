@@ -104,13 +104,13 @@ def test_a_request_waiting_for_a_dead_drafter_goes_on_when_told(model):
         worker.requests["r"] = state = RequestState(request=request, mode="sync", draws=PositionDraws(0))
         worker.step(state)  # prefill: StartDraft and the first Outcome are queued for the drafter
         assert state.drafting and not state.ready()
-        worker.on_drafter_status(DrafterStatus(up=False, reason="test"))
-        assert not worker.drafter_up and not state.drafting
+        worker.link.on_status(DrafterStatus(up=False, reason="test"))
+        assert not worker.link.up and not state.drafting
         while "r" in worker.requests:
             assert state.ready()
             worker.step(state)
         assert len(state.output_ids) == 6
-        worker.on_block(DraftBlock(req_id="r", round=1, tokens=[1]))  # a late block: ignored
+        worker.link.on_block(DraftBlock(req_id="r", round=1, tokens=[1]))  # a late block: ignored
     finally:
         ctx.destroy(linger=0)
         addrs.remove()

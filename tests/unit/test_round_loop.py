@@ -115,12 +115,12 @@ def test_stale_block_is_dropped(model):
                              strategy="sync")
         state.round = 3
         worker.requests["s"] = state
-        worker.on_block(DraftBlock(req_id="s", round=2, tokens=[1, 2]))
+        worker.link.on_block(DraftBlock(req_id="s", round=2, tokens=[1, 2]))
         assert state.block is None
-        worker.on_block(DraftBlock(req_id="gone", round=3, tokens=[1, 2]))
-        worker.on_block(DraftBlock(req_id="s", round=3, tokens=[1, 2]))
+        worker.link.on_block(DraftBlock(req_id="gone", round=3, tokens=[1, 2]))
+        worker.link.on_block(DraftBlock(req_id="s", round=3, tokens=[1, 2]))
         assert state.block.tokens == [1, 2]
-        worker.on_block(DraftBlock(req_id="s", round=3, tokens=[7, 7]))  # a duplicate never replaces it
+        worker.link.on_block(DraftBlock(req_id="s", round=3, tokens=[7, 7]))  # a duplicate never replaces it
         assert state.block.tokens == [1, 2]
     finally:
         ctx.destroy(linger=0)

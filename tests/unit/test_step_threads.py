@@ -34,7 +34,7 @@ def test_the_drafter_is_busy_only_while_it_drafts_or_runs_foresight():
     switched = state("ngram", None)
     switched.drafter_winding_down = 7  # the Outcome of round 7 switched away from pipelined: no DrafterIdle yet
     assert drafter_busy([switched])
-    # Busy only by the switch: the target may wait a moment for DrafterIdle (TargetWorker.drafter_still_busy).
+    # Busy only by the switch: the target may wait a moment for DrafterIdle (DrafterLink.still_busy).
     assert winding_down_only([switched]) and winding_down_only([switched, state("hybrid", [5, 6])])
     assert not winding_down_only([switched, state("hybrid", None)])  # another request's block is being drafted
     assert not winding_down_only([state("ngram", None)])
