@@ -1,8 +1,7 @@
 """How many of the drafted tokens to send for verification (the verify length).
 
-The target's verify cost grows with the block length (on CPU a 16-token verify costs 1.4x a 1-token
-step in bf16 and 2.2x in fp32, a 4-token verify about one step) while deep drafts are rarely accepted.
-So each round the drafter sends the prefix of its block that maximises committed tokens per second:
+The target's verify cost grows with the block length while deep drafts are rarely accepted. So each round
+the drafter sends the prefix of its block that maximises committed tokens per second:
 
     L* = argmax_L (1 + E[accepted | L]) / (fixed_s + cost(L)),   E[accepted | L] = sum_{j<=L} prod_{i<=j} alpha_i
 
@@ -15,8 +14,8 @@ So each round the drafter sends the prefix of its block that maximises committed
 Any prefix of a block is a valid block: verification stays lossless whatever L is chosen.
 
 L = 0 (no drafts: a plain decoding step) competes too once its cost has been measured (one probe round):
-on this CPU a 2-position forward costs ~1.5x a 1-position one, so a weak drafter does not pay even for a
-single draft. When the last SKIP_AFTER choices are 0 the drafter stops drafting (`draft_length` = 0) until an
+where a 2-position forward costs much more than a 1-position one (a CPU), a weak drafter does not pay even
+for a single draft. When the last SKIP_AFTER choices are 0 the drafter stops drafting (`draft_length` = 0) until an
 exploring round, which drafts and verifies a full block and records the length it would choose now,
 says speculation pays again; so the acceptance model keeps learning (`allow_skip=False`: L >= 1).
 

@@ -37,7 +37,7 @@ from .refinement import Refiner
 from .speculation_cache import CacheEntry
 
 if TYPE_CHECKING:
-    from .foresight import _RequestState
+    from .outcome_scorer import ForesightState
 
 __all__ = ["BatchedForesight", "ForesightStats"]
 
@@ -56,11 +56,9 @@ class ForesightStats:
 
 
 class BatchedForesight:
-    """The round of `ForesightDrafter` (its base class), which provides the stages: `_absorb`,
-    `_predict_block` / `_predict_blocks` (steps 1-2), `plan`, `select`, `draft_states`, `outcome_rows`,
-    `bound_rows`, `lags`, `catch_up`, and `model`, `costs`, `temperature`, `refinement`, `stats`."""
-
-    refines = True  # refinement can run (an adapter and decoder to refresh drafts with)
+    """The round of `ForesightDrafter` (its base class), which provides `absorb`, `predict_blocks` (steps 1-2),
+    `plan`, `select`, `lags`, `catch_up`, the `scorer` (its draft rows), and `model`, `costs`, `temperature`,
+    `refinement`, `refines`, `stats`."""
 
     def foresee(self, ctx: DraftContext, block: list[int], max_drafts: int, budget_s: float,
                 stop: Callable[[], bool] | None = None, confidence: Sequence[float] = ()) -> list[CacheEntry]:
@@ -74,9 +72,8 @@ class BatchedForesight:
                       budget_s: float, stop: Callable[[], bool] | None = None,
                       confidences: Sequence[Sequence[float]] | None = None) -> list[list[CacheEntry]]:
         """Steps 1-5 for several requests whose blocks the target verifies, each expensive stage in one pass
-        for all of them: the adapter's prediction and the decoder's scores (`_predict_blocks`), then the
-        drafts of every request's outcomes in one draft-model batch; selection and refinement run per
-        request. -> per request what `foresee` gives it alone, up to float rounding (each request draws its
+        for all of them: the scorer's pass (`predict_blocks`), then the drafts of every request's outcomes in
+        one draft-model batch; selection and refinement run per request. -> per request what `foresee` gives it alone, up to float rounding (each request draws its
         noise from its own generator). B, J and R are planned per request (`plan`) from the measured costs,
         which the batch updates: its prediction time, its batched passes by their rows. `stop` ends the
         whole batch: before drafting nothing for any request, after it the drafts as they stand."""
@@ -95,12 +92,12 @@ class BatchedForesight:
                 if not self.catch_up(ctx, stop):
                     return out  # a message waits: the passes done stay done, the next job goes on from there
                 t0 += time.perf_counter() - caught_at  # a one-off (a new prompt), not what predicting costs
-            state = self._absorb(ctx)
+            state = self.absorb(ctx)
             if state.draft is not None:
                 parts.append(_Part(i, ctx, state, list(block), wanted, mode, confidence))
         if not parts:
             return out
-        predicted = self._predict_blocks([p.state for p in parts], [p.ctx for p in parts], [p.block for p in parts])
+        predicted = self.predict_blocks([p.state for p in parts], [p.ctx for p in parts], [p.block for p in parts])
         t1 = time.perf_counter()
         self.costs.predict.observe(t1 - t0)  # the whole batch's: it runs before any request drafts
         for p, (pred, logits, dec_states) in zip(parts, predicted):
@@ -108,7 +105,7 @@ class BatchedForesight:
             temperature = self.temperature if self.temperature is not None else p.ctx.temperature
             p.plan = self.plan(budget_s, p.mode)
             p.picked = self.select(logits, p.block, p.plan.outcomes, temperature, p.ctx.sampling, p.confidence)
-            p.states = self.draft_states(pred, dec_states)
+            p.states = self.scorer.draft_states(pred, dec_states)
         parts = [p for p in parts if p.picked]
         if not parts or stop():
             return out
@@ -131,7 +128,7 @@ class BatchedForesight:
         part the refiner holding its drafts [B, max_drafts] and what each row spent."""
         contexts, inputs, fixed = [], [], []
         for p in parts:
-            row_ctxs, prefixes = self.outcome_rows(p.ctx, p.state, p.states, p.block, p.picked)
+            row_ctxs, prefixes = self.scorer.outcome_rows(p.ctx, p.state, p.states, p.block, p.picked)
             contexts += row_ctxs
             for o, prefix in zip(p.picked, prefixes):  # the request's own generator, in the order it draws alone
                 noise = draw_noise(p.ctx.tokens + p.block[:o.k] + [o.a], p.max_drafts - 1, p.state.model.generator)
@@ -152,7 +149,7 @@ class BatchedForesight:
             start = rows.stop
             drafts = ids[j].gather(1, at.to(ids[j].device))[rows, :p.max_drafts]
             confidence = probs[j].gather(1, at.to(probs[j].device))[rows, :p.max_drafts]
-            refiners.append(Refiner(self.bound_rows(p.state, p.n), p.ctx.tokens[-1], p.block,
+            refiners.append(Refiner(self.scorer.bound_rows(p.state, p.n), p.ctx.tokens[-1], p.block,
                                     [(o.k, o.a) for o in p.picked], drafts, p.mode, passes=j, confidence=confidence))
         for p, refiner in zip(parts, refiners):
             refiner.run(p.plan.refreshes, self.costs, stop)
@@ -165,7 +162,7 @@ class _Part:
 
     index: int  # the request's place in the batch
     ctx: DraftContext
-    state: _RequestState
+    state: ForesightState
     block: list[int]  # d_1..d_gamma under verification
     max_drafts: int
     mode: str  # refinement

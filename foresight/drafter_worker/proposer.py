@@ -6,7 +6,8 @@ and each proposer's own state for the request (a draft model's context K/V, a fo
 decoder caches: `DraftContext.states`, keyed by the proposer). The proposer is told `add_request` when the
 target starts a request (its prompt's target states are in the context), `commit` after each outcome (the
 round's tokens and target states are committed in the context), `propose` when a round wants a block,
-`propose_batch` for several requests' blocks at once, `foresee` while the target verifies (pipelined).
+`propose_batch` for several requests' blocks at once, `foresee` (`foresee_batch`) while the target verifies
+(pipelined).
 
 A proposer takes the committed target states out of the context in `commit`, but runs its models over them
 only when it next drafts (`propose`, `foresee`): `commit` runs before the worker answers the outcome, and a
@@ -126,18 +127,31 @@ class ForesightProposer(Proposer, Protocol):
         early with what is ready (possibly nothing)."""
         ...
 
+    def foresee_batch(self, ctxs: list[DraftContext], blocks: list[list[int]], max_drafts: list[int],
+                      budget_s: float, stop: Callable[[], bool] | None = None,
+                      confidences: Sequence[Sequence[float]] | None = None) -> list[list[CacheEntry]]:
+        """`foresee` for several requests whose blocks one target step verifies (one list of entries per request;
+        none where `max_drafts` is 0): the worker runs every queued job in one call."""
+        ...
+
     def catch_up(self, ctx: DraftContext, stop: Callable[[], bool]) -> bool:
         """Run every model foresight reads over the committed states not absorbed yet, pausing between passes
         when `stop()` is true; True when done (the worker calls it again until then)."""
         ...
 
-    # Optional: `foresee_batch(ctxs, blocks, max_drafts, budget_s, stop, confidences)`, `foresee` for several
-    # requests at once (one list of entries per request); the worker then runs every queued job in one call.
-
 
 def propose_each(proposer: Proposer, ctxs: list[DraftContext], max_drafts: list[int]) -> list[Draft]:
     """`propose_batch` of a proposer that drafts one request at a time."""
     return [proposer.propose(ctx, n) for ctx, n in zip(ctxs, max_drafts)]
+
+
+def foresee_each(proposer: ForesightProposer, ctxs: list[DraftContext], blocks: list[list[int]],
+                 max_drafts: list[int], budget_s: float, stop: Callable[[], bool] | None = None,
+                 confidences: Sequence[Sequence[float]] | None = None) -> list[list[CacheEntry]]:
+    """`foresee_batch` of a proposer that pre-drafts one request at a time."""
+    confidences = confidences if confidences is not None else [()] * len(ctxs)
+    return [proposer.foresee(ctx, block, n, budget_s, stop, conf) if n > 0 else []
+            for ctx, block, n, conf in zip(ctxs, blocks, max_drafts, confidences)]
 
 
 class StatelessProposer:

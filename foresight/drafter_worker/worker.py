@@ -93,8 +93,7 @@ def make_proposer(cfg: EngineConfig) -> Proposer:
     """ngram; or a draft-model checkpoint (`auto`: the shipped one of the embedded default) -> JetSpec,
     with foresight (pipelined mode) when an adapter checkpoint comes with it, or at decoder depth 0 (the
     draft model's own scores) without one."""
-    from .draft_foresight import draft_only_from_config
-    from .foresight import adapter_depth, foresight_from_config, resolve_adapter_path
+    from .foresight import adapter_depth, draft_only_from_config, foresight_from_config, resolve_adapter_path
     from .jetspec_proposer import JetSpecProposer, resolve_drafter_path
 
     path = resolve_drafter_path(cfg)
@@ -137,6 +136,7 @@ class DrafterWorker:
         }
 
     def run(self) -> None:
+        scorer = getattr(self.proposer, "scorer", None)  # foresight's (decoder_scorer.py: adapter and decoder)
         self.send_to_api.send(WorkerReady(worker="drafter", pid=os.getpid(), layout=self.proposer.layout, info={
             "proposer": self.proposer.name, "supports_foresight": self.proposer.supports_foresight,
             "strategies": [Strategy.AR, Strategy.NGRAM] + sorted(self.strategies),
@@ -144,8 +144,8 @@ class DrafterWorker:
             "decoder_layers": getattr(self.proposer, "decoder_layers", None),
             "calibration": calibration_source(self.proposer),
             "compiled": compiled_draft_info(getattr(self.proposer, "model", None))
-            | compiled_decoder_info(getattr(self.proposer, "decoder", None))
-            | compiled_adapter_info(getattr(self.proposer, "adapter", None))}))
+            | compiled_decoder_info(getattr(scorer, "decoder", None))
+            | compiled_adapter_info(getattr(scorer, "adapter", None))}))
         with self.heartbeats:
             self.loop()
 
@@ -230,7 +230,7 @@ class DrafterWorker:
         proposer = self.strategies.get(msg.strategy)
         ctx.pipelined = msg.strategy == Strategy.PIPELINED
         if proposer is None:  # "ar" or "ngram": the target takes the round alone; our foresight has stopped
-            if msg.catch_up and hasattr(self.proposer, "catch_up"):
+            if msg.catch_up and self.proposer.supports_foresight:
                 self.catch_ups.append(CatchUp(msg.req_id, msg.round))  # DrafterIdle once it is done
             else:
                 self.send_to_target.send(DrafterIdle(req_id=msg.req_id, round=msg.round))
@@ -302,12 +302,8 @@ class DrafterWorker:
         return ctx if ctx is not None and ctx.round == job.round else None
 
     def run_jobs(self) -> None:
-        """Run the queued foresight: all live jobs in one `foresee_batch` when the proposer has it (a batched
-        target step reports its requests' outcomes at once, so their jobs queue together), else the oldest
-        job alone."""
-        if not hasattr(self.proposer, "foresee_batch"):
-            self.run_foresight(self.jobs.popleft())
-            return
+        """Run the queued foresight: all live jobs in one `foresee_batch` (a batched target step reports its
+        requests' outcomes at once, so their jobs queue together)."""
         jobs = {job.req_id: job for job in self.jobs if self.live(job)}  # the newest per request
         self.jobs.clear()
         if len(jobs) == 1:

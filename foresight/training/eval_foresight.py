@@ -140,7 +140,7 @@ def run_eval_foresight(args: argparse.Namespace) -> dict:
         rounds = sum(r["rounds"] for r in runs)
         hit_rates = {rule: {str(b): sum(r["hits"][rule][b] for r in runs) / max(1, rounds) for b in sizes}
                      for rule in runs[0]["hits"]} if runs else {}
-        dec = drafter.decoder
+        dec = getattr(drafter.scorer, "decoder", None)  # None at depth 0
         row = {"decoder_layers": depth, "decoder_input_index": dec.input_index if dec else None, "rounds": rounds,
                "tau": sum(r["committed"] for r in runs) / max(1, rounds),
                "hit_rate": hit_rates.get("eq6", {}), "hit_rate_calibrated": hit_rates.get("calibrated"),

@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from foresight.drafter_worker.proposer import Draft, StatelessProposer
+from foresight.drafter_worker.proposer import Draft, StatelessProposer, foresee_each
 from foresight.drafter_worker.speculation_cache import CacheEntry
 
 
@@ -55,6 +55,12 @@ class OracleForesight(StatelessProposer):
         a = truth[k] if not self.wrong else (truth[k] + 1) % self.vocab
         draft = self.propose_after(ctx.tokens + block[:k] + [a], max_drafts)
         return [CacheEntry(accepted=k, bonus=a, tokens=tuple(draft), score=1.0, passes=1)]
+
+    def foresee_batch(self, ctxs, blocks, max_drafts, budget_s, stop=None, confidences=None):
+        return foresee_each(self, ctxs, blocks, max_drafts, budget_s, stop, confidences)
+
+    def catch_up(self, ctx, stop) -> bool:
+        return True  # it keeps nothing to catch up on
 
     def propose_after(self, tokens: list[int], max_drafts: int) -> list[int]:
         return self._corrupt(self.greedy(tokens, max_drafts))

@@ -15,6 +15,7 @@ import random
 import torch
 from transformers import DynamicCache
 
+from foresight.drafter_worker.decoder_scorer import AdapterDecoderScorer
 from foresight.drafter_worker.foresight import ForesightDrafter
 from foresight.drafter_worker.proposer import Draft
 from foresight.drafter_worker.refinement import Refiner
@@ -26,7 +27,7 @@ WIDEST = 8  # corrupted positions are drawn from 0..WIDEST-1 (beyond the draft: 
 class ScriptedForesight(ForesightDrafter):
     def __init__(self, target, draft_model, adapter, decoder, check_decoder: bool = True, **kw):
         """`check_decoder`: compare the decoder's logits of every block with the target's (`decoder_errors`)."""
-        super().__init__(draft_model, adapter, decoder, passes=0, refinement="none", refreshes=0,
+        super().__init__(draft_model, AdapterDecoderScorer(draft_model, adapter, decoder), passes=0, refinement="none", refreshes=0,
                          use_budget=False, **kw)
         self.target, self.check_decoder = target, check_decoder
         self.vocab = target.config.vocab_size
@@ -44,9 +45,9 @@ class ScriptedForesight(ForesightDrafter):
             self.decoder_stats[ctx.req_id] = (decoder.adopted, decoder.stale)
 
     @torch.inference_mode()
-    def _predict_blocks(self, states, ctxs, blocks):
+    def predict_blocks(self, states, ctxs, blocks):
         """The real prediction, each block's decoder logits checked against the target's own after its context."""
-        out = super()._predict_blocks(states, ctxs, blocks)
+        out = super().predict_blocks(states, ctxs, blocks)
         if self.check_decoder:
             for ctx, block, (_, logits, _) in zip(ctxs, blocks, out):
                 n = len(ctx.tokens) - 1
@@ -71,12 +72,12 @@ class ScriptedForesight(ForesightDrafter):
     def propose_batch(self, ctxs, max_drafts):
         for ctx, wanted in zip(ctxs, max_drafts):
             if wanted > 0:
-                self._absorb(ctx, draft_only=True)  # the contexts stay as the real drafter keeps them
+                self.absorb(ctx, draft_only=True)  # the contexts stay as the real drafter keeps them
         return [Draft(self.scripted(ctx.tokens, m)) if m > 0 else Draft() for ctx, m in zip(ctxs, max_drafts)]
 
     def _predraft_many(self, parts, stop=None) -> list[Refiner]:
         """Scripted drafts for every request's picked outcomes, no refinement."""
-        return [Refiner(self.bound_rows(p.state, p.n), p.ctx.tokens[-1], p.block, [(o.k, o.a) for o in p.picked],
+        return [Refiner(self.scorer.bound_rows(p.state, p.n), p.ctx.tokens[-1], p.block, [(o.k, o.a) for o in p.picked],
                         torch.tensor([self.scripted(p.ctx.tokens + p.block[:o.k] + [o.a], p.max_drafts)
                                       for o in p.picked]), "none")
                 for p in parts]

@@ -8,6 +8,7 @@ import torch
 import zmq
 
 from foresight.config import EngineConfig
+from foresight.drafter_worker.decoder_scorer import AdapterDecoderScorer
 from foresight.drafter_worker.foresight import ForesightDrafter
 from foresight.drafter_worker.proposer import Draft, DraftContext
 from foresight.drafter_worker.worker import DrafterWorker
@@ -48,8 +49,8 @@ def build(target) -> ForesightDrafter:
     reads = model.config.target_layers  # llama [1, 3], qwen3_5 [1, 2, 4]
     indices = sorted({i for i in reads if i < decoder.input_index} | {decoder.input_index})
     adapter = Adapter.from_target(target, indices).eval()
-    return ForesightDrafter(model, adapter, decoder, passes=2, cache_size=3, refreshes=1, refinement="anchor",
-                            use_budget=False)
+    return ForesightDrafter(model, AdapterDecoderScorer(model, adapter, decoder), passes=2, cache_size=3, refreshes=1,
+                            refinement="anchor", use_budget=False)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -127,7 +128,7 @@ def contexts(target, drafter: ForesightDrafter, prompts: list[list[int]]) -> lis
 
 def linear_states(target, drafter: ForesightDrafter, tokens: list[int], n: int):
     """The target's snapshot of the decoder's linear layers after positions 0..n-1 (None: no such layers)."""
-    return snapshots(target, drafter.decoder, tokens, [n])[n] if drafter.layout.state_layers else None
+    return snapshots(target, drafter.scorer.decoder, tokens, [n])[n] if drafter.layout.state_layers else None
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -170,7 +171,7 @@ class CountingForesight(ForesightDrafter):
 
 def counting(target) -> CountingForesight:
     built = build(target)
-    return CountingForesight(built.model, built.adapter, built.decoder, passes=1, cache_size=3, use_budget=False)
+    return CountingForesight(built.model, built.scorer, passes=1, cache_size=3, use_budget=False)
 
 
 def test_pipelined_requests_at_once_are_lossless_and_foreseen_in_batches():
@@ -195,14 +196,14 @@ def test_a_request_whose_part_fails_fails_alone():
     target = tiny_model("llama")
     drafter, fresh = counting(target), counting(target)
     prompts = [sequence(40 + g, n) for g, n in enumerate([9, 14, 6])]
-    passes = drafter.decoder.logits_and_hidden_many
+    passes = drafter.scorer.decoder.logits_and_hidden_many
 
     def failing(caches, *args, **kw):
         if any(c is drafter.state(worker.contexts["r1"]).decoder for c in caches):
             raise RuntimeError("r1's part fails")
         return passes(caches, *args, **kw)
 
-    drafter.decoder.logits_and_hidden_many = failing
+    drafter.scorer.decoder.logits_and_hidden_many = failing
     zctx, addrs = zmq.Context(), WorkerAddresses.fresh()
     try:
         from_drafter = MessageSocket(zctx, zmq.PULL, addrs.drafter_to_target, bind=True)

@@ -123,8 +123,8 @@ def test_pipelined_greedy_with_the_compiled_decoder_equals_plain_greedy(tmp_path
     model = tiny_model("llama")
     sequences = [p + plain_greedy(model, p, NEW, eos=model.config.eos_token_id) for p in PROMPTS]
     drafter = make_drafter(model, sequences, passes=1, cache_size=4, temperature=0.0)
-    compiled = compiled_decoder_for(drafter.decoder, drafter.decoder_keep, "on", "cpu", tmp_path, autotune=False)
-    assert compiled is not None and drafter.decoder.compiled is compiled
+    compiled = compiled_decoder_for(drafter.scorer.decoder, drafter.scorer.decoder_keep, "on", "cpu", tmp_path, autotune=False)
+    assert compiled is not None and drafter.scorer.decoder.compiled is compiled
     engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter,
                              foresight_to_completion=True)
     hits = 0
@@ -136,6 +136,6 @@ def test_pipelined_greedy_with_the_compiled_decoder_equals_plain_greedy(tmp_path
     finally:
         engine.close()
     assert hits > 0 and compiled.passes > 0
-    info = compiled_decoder_info(drafter.decoder)
+    info = compiled_decoder_info(drafter.scorer.decoder)
     assert info == {"decoder_pass": True, "decoder_compile_s": round(compiled.compile_s, 1), "decoder_loaded": 0}
     assert compiled_decoder_info(None)["decoder_pass"] is False

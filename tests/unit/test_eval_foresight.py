@@ -34,20 +34,22 @@ def test_a_calibration_is_replayed_beside_eq6(target, sequences):
 
 def test_noisy_predictions_miss(target, sequences):
     drafter = make_drafter(target, sequences, passes=0)
-    predict = drafter.adapter.predict
+    predict = drafter.scorer.adapter.predict
     gen = torch.Generator().manual_seed(0)
-    drafter.adapter.predict = lambda *a: predict(*a) + 5.0 * torch.randn(predict(*a).shape, generator=gen)
+    drafter.scorer.adapter.predict = lambda *a: predict(*a) + 5.0 * torch.randn(predict(*a).shape, generator=gen)
     runner = TargetRunner.for_proposer(target, drafter)
     r = replay(runner, drafter, PROMPTS[0], 30, 6, [], [1, 64])
     assert r["hits"]["eq6"][1] < r["rounds"] and r["hits"]["eq6"][1] <= r["hits"]["eq6"][64]
 
 
 def test_a_depth_zero_drafter_replays_and_the_depth_is_chosen_from_measured_times(target, sequences):
-    from foresight.drafter_worker.draft_foresight import DraftOnlyForesight
+    from foresight.drafter_worker.draft_model_scorer import DraftModelScorer
+    from foresight.drafter_worker.foresight import ForesightDrafter
     from foresight.training.eval_foresight import recommend_depth
     from test_foresight import make_draft_model
 
-    drafter = DraftOnlyForesight(make_draft_model(target), passes=0)
+    model = make_draft_model(target)
+    drafter = ForesightDrafter(model, DraftModelScorer(model), passes=0)
     r = replay(TargetRunner.for_proposer(target, drafter), drafter, PROMPTS[0], 30, 6, [], [1, 4])
     assert r["rounds"] >= 5 and r["verifies"] >= r["rounds"] and r["verify_s"] > 0
     assert 0 <= r["hits"]["eq6"][1] <= r["hits"]["eq6"][4] <= r["rounds"]

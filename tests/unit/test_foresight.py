@@ -18,6 +18,7 @@ from foresight.models.decoder import ForesightDecoder
 from foresight.models.draft_model import DraftConfig, DraftModel, SharedWeights
 from foresight.drafter_worker.calibration import Calibration
 from foresight.drafter_worker import foresight as foresight_module
+from foresight.drafter_worker.decoder_scorer import AdapterDecoderScorer
 from foresight.drafter_worker.foresight import ForesightDrafter
 from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
 from foresight.drafter_worker.proposer import Draft, DraftContext
@@ -55,7 +56,8 @@ def make_draft_model(target, seed: int = 0) -> DraftModel:
 def make_drafter(target, sequences, passes: int = 1, **kw) -> ForesightDrafter:
     decoder = ForesightDecoder(target, 2)  # top 2 layers: input index 1
     adapter = OracleAdapter(target, [1], sequences)
-    return ForesightDrafter(make_draft_model(target), adapter, decoder, passes=passes, **kw)
+    model = make_draft_model(target)
+    return ForesightDrafter(model, AdapterDecoderScorer(model, adapter, decoder), passes=passes, **kw)
 
 
 @torch.inference_mode()
@@ -77,14 +79,14 @@ def test_construction_checks_and_layout(target, sequences):
     drafter = make_drafter(target, sequences)
     assert drafter.supports_foresight and not JetSpecProposer(model).supports_foresight
     assert model.config.target_layers == [1, 3] and drafter.layout.layers == (1, 3)
-    wide = ForesightDrafter(model, OracleAdapter(target, [1, 2], sequences), ForesightDecoder(target, 1))
+    wide = AdapterDecoderScorer(model, OracleAdapter(target, [1, 2], sequences), ForesightDecoder(target, 1))
     assert wide.layout.layers == (1, 2, 3)
     with pytest.raises(ValueError, match="must also predict index 2"):  # decoder reads 2, adapter predicts 1
-        ForesightDrafter(model, OracleAdapter(target, [1], sequences), ForesightDecoder(target, 1))
+        AdapterDecoderScorer(model, OracleAdapter(target, [1], sequences), ForesightDecoder(target, 1))
     with pytest.raises(ValueError, match=r"\[1\] are neither predicted"):  # draft model reads index 1
-        ForesightDrafter(model, OracleAdapter(target, [2], sequences), ForesightDecoder(target, 1))
+        AdapterDecoderScorer(model, OracleAdapter(target, [2], sequences), ForesightDecoder(target, 1))
     with pytest.raises(ValueError, match="adapter and a decoder"):
-        ForesightDrafter(model, None, ForesightDecoder(target, 1))
+        AdapterDecoderScorer(model, None, ForesightDecoder(target, 1))
 
 
 def test_deeper_decoder_drops_adapter_stages_and_feeds_the_draft_model(target, sequences):
@@ -94,14 +96,15 @@ def test_deeper_decoder_drops_adapter_stages_and_feeds_the_draft_model(target, s
     torch.manual_seed(0)
     cfg = DraftConfig.for_target(target.config, target_layers=[1, 2, 3], num_layers=1, block_size=8)
     model = DraftModel(cfg, SharedWeights.from_target(target)).eval()
-    drafter = ForesightDrafter(model, OracleAdapter(target, [1, 2], sequences), ForesightDecoder(target, 2))
-    assert drafter.adapter.target_indices == [1] and drafter.adapter_indices == [1]
-    assert drafter.layout.layers == (1, 2, 3) and drafter.decoder.input_index == 1
+    drafter = ForesightDrafter(model, AdapterDecoderScorer(model, OracleAdapter(target, [1, 2], sequences),
+                                                           ForesightDecoder(target, 2)))
+    assert drafter.scorer.adapter.target_indices == [1] and drafter.scorer.adapter_indices == [1]
+    assert drafter.layout.layers == (1, 2, 3) and drafter.scorer.decoder.input_index == 1
     seq, p = sequences[0], len(PROMPTS[0])
     truth = true_states(target, seq, [1, 2, 3])
     ctx = DraftContext(req_id="r", tokens=seq[:p + 1], seed=0, hidden=[truth[:p]])
     pred, _, dec_states = drafter.predict(ctx, seq[p + 1:p + 4])  # the true continuation as the block
-    torch.testing.assert_close(drafter.draft_states(pred, dec_states), truth[p:p + 4], atol=1e-4, rtol=0)
+    torch.testing.assert_close(drafter.scorer.draft_states(pred, dec_states), truth[p:p + 4], atol=1e-4, rtol=0)
 
 
 def test_pipelined_miss_drafts_before_the_adapter_and_decoder_absorb(target, sequences):
@@ -236,7 +239,7 @@ def test_perfect_foresight_names_and_predrafts_the_realised_outcome(target, sequ
         assert list(entries[0].tokens) == drafter.propose(ctx, GAMMA).tokens  # sync mode: J0 + GAMMA passes
         ks.append(k)
     assert len(ks) >= 6 and len(set(ks)) >= 4  # several different outcomes were foreseen
-    assert drafter.adapter.predict_calls == len(ks)
+    assert drafter.scorer.adapter.predict_calls == len(ks)
     print(f"\nforesight per round (B=4, J={GAMMA}, gamma={GAMMA}): median {sorted(costs)[len(costs) // 2] * 1e3:.1f} ms")
 
 
@@ -253,13 +256,13 @@ def test_batched_outcomes_equal_one_at_a_time(target, sequences):
     states = torch.randn(GAMMA + 1, truth.shape[1], generator=g) * 3  # predicted states of n..n+gamma
     outcomes = [(0, 7), (3, 9), (GAMMA, 11), (2, 7), (3, 40)]
     noise = torch.randint(0, VOCAB, (len(outcomes), GAMMA - 1), generator=g)
-    batched, _ = drafter.draft_outcomes(state, p, states, outcomes, noise, passes=2)
+    batched, _ = drafter.scorer.draft_outcomes(state, p, states, outcomes, noise, passes=2)
     for b, o in enumerate(outcomes):
-        alone, _ = drafter.draft_outcomes(state, p, states, [o], noise[b:b + 1], passes=2)
+        alone, _ = drafter.scorer.draft_outcomes(state, p, states, [o], noise[b:b + 1], passes=2)
         assert torch.equal(batched[b], alone[0]), o
     assert len({tuple(row) for row in batched.tolist()}) == len(outcomes)  # the rows really differ
     # The rows read different contexts: the same anchor and noise after another k drafts differently.
-    other, _ = drafter.draft_outcomes(state, p, states, [(GAMMA, 9)], noise[1:2], passes=2)
+    other, _ = drafter.scorer.draft_outcomes(state, p, states, [(GAMMA, 9)], noise[1:2], passes=2)
     assert not torch.equal(other[0], batched[1])
 
 
@@ -309,9 +312,9 @@ def test_make_proposer_picks_foresight_when_an_adapter_ships_beside_the_drafter(
     assert type(sync_only) is JetSpecProposer and not sync_only.supports_foresight
     Adapter.from_target(target, target_indices=[1, 2]).save(tmp_path / "drafter" / "adapter")
     with_foresight = make_proposer(cfg)
-    assert with_foresight.supports_foresight and with_foresight.decoder.input_index == 2
+    assert with_foresight.supports_foresight and with_foresight.scorer.decoder.input_index == 2
     deeper = make_proposer(dataclasses.replace(cfg, decoder_layers=n - 1))  # input index 1: adapter keeps [1]
-    assert deeper.decoder.input_index == 1 and deeper.adapter.target_indices == [1]
+    assert deeper.scorer.decoder.input_index == 1 and deeper.scorer.adapter.target_indices == [1]
     with pytest.raises(ConfigError, match="decoder_layers"):  # input index 0 is not predicted
         make_proposer(dataclasses.replace(cfg, decoder_layers=n))
     assert not make_proposer(dataclasses.replace(cfg, adapter="none")).supports_foresight

@@ -73,6 +73,7 @@ def test_pipelined_greedy_equals_plain_greedy_and_foresight_hits(target):
 def test_the_real_adapter_and_draft_model_are_lossless(target, mode):
     """Nothing scripted: the adapter (initialised from the target's layers, Gated DeltaNet ones included),
     a random draft model and the decoder over the target's snapshots, through the round protocol."""
+    from foresight.drafter_worker.decoder_scorer import AdapterDecoderScorer
     from foresight.drafter_worker.foresight import ForesightDrafter
 
     own = tiny_model(target.config.model_type.removesuffix("_text"))  # the drafter's copy (see scripted_drafter)
@@ -80,8 +81,8 @@ def test_the_real_adapter_and_draft_model_are_lossless(target, mode):
     torch.manual_seed(0)
     draft = DraftModel(DraftConfig.for_target(own.config, target_layers=[1, 2, n], num_layers=1),
                        SharedWeights.from_target(own)).eval()
-    drafter = ForesightDrafter(draft, Adapter.from_target(own, [1, 2]).eval(), ForesightDecoder(own, 2),
-                               passes=1, cache_size=4, use_budget=False)
+    scorer = AdapterDecoderScorer(draft, Adapter.from_target(own, [1, 2]).eval(), ForesightDecoder(own, 2))
+    drafter = ForesightDrafter(draft, scorer, passes=1, cache_size=4, use_budget=False)
     engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter,
                              foresight_to_completion=True)
     try:

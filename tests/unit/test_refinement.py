@@ -147,7 +147,7 @@ def test_refresh_finds_the_first_disagreement_with_the_target(target, sequences,
     other = torch.randint(0, VOCAB, (M,), generator=g).tolist()
     outcomes = [(k, a), (k, a), (0, (block[0] + 3) % VOCAB)]
     drafts = torch.tensor([wrong, truth, other])
-    ref = Refiner(drafter.bound_rows(state, n), ctx.tokens[-1], block, outcomes, drafts, mode)
+    ref = Refiner(drafter.scorer.bound_rows(state, n), ctx.tokens[-1], block, outcomes, drafts, mode)
     ref.refresh([0, 1, 2])
     assert ref.refreshes == [1, 1, 1] and ref.passes == [0, 0, 0]
     # Row 0: x_1, x_2 agree; the target's x_3 is written (anchor) or x_3 is left to redraft (refresh).
@@ -177,8 +177,8 @@ def test_fixed_positions_never_change_in_later_passes(target, sequences):
     pred, logits, normed = drafter.predict(ctx, block)
     outcomes = [(o.k, o.a) for o in drafter.select(logits, block, 4, 0.0)]
     noise = torch.randint(0, VOCAB, (4, M - 1), generator=torch.Generator().manual_seed(2))
-    drafts, _ = drafter.draft_outcomes(state, n, drafter.draft_states(pred, normed), outcomes, noise, 0)
-    ref = Refiner(drafter.bound_rows(state, n), ctx.tokens[-1], block, outcomes, drafts, "anchor")
+    drafts, _ = drafter.scorer.draft_outcomes(state, n, drafter.scorer.draft_states(pred, normed), outcomes, noise, 0)
+    ref = Refiner(drafter.scorer.bound_rows(state, n), ctx.tokens[-1], block, outcomes, drafts, "anchor")
     history = []
     for step in range(M):
         rows = ref.open_rows()
@@ -213,12 +213,12 @@ def test_a_refresh_pass_of_an_unfixed_row_is_a_jacobi_pass(target, sequences):
     ctx, state, block = start(target, sequences, drafter)
     n = len(ctx.tokens) - 1
     pred, _, normed = drafter.predict(ctx, block)
-    states = drafter.draft_states(pred, normed)
+    states = drafter.scorer.draft_states(pred, normed)
     outcomes = [(2, 7), (0, 9)]
     noise = torch.randint(0, VOCAB, (2, M - 1), generator=torch.Generator().manual_seed(4))
-    j0, _ = drafter.draft_outcomes(state, n, states, outcomes, noise, 0)
-    j1, _ = drafter.draft_outcomes(state, n, states, outcomes, noise, 1)
-    ref = Refiner(drafter.bound_rows(state, n), ctx.tokens[-1], block, outcomes, j0, "refresh")
+    j0, _ = drafter.scorer.draft_outcomes(state, n, states, outcomes, noise, 0)
+    j1, _ = drafter.scorer.draft_outcomes(state, n, states, outcomes, noise, 1)
+    ref = Refiner(drafter.scorer.bound_rows(state, n), ctx.tokens[-1], block, outcomes, j0, "refresh")
     ref.refresh([0, 1])
     rows = [b for b in ref.open_rows() if ref.fixed[b] == 0]
     assert rows, "a random draft model should disagree with the target at once"
@@ -238,7 +238,7 @@ def old_foresee(drafter, ctx, block, passes):
     picked = drafter.select(logits, block, drafter.cache_size, ctx.temperature)
     noise = torch.stack([draw_noise(ctx.tokens + block[:o.k] + [o.a], M - 1, state.model.generator) for o in picked])
     model = drafter.model
-    proj = model.project_context(drafter.draft_states(pred, normed)[None])
+    proj = model.project_context(drafter.scorer.draft_states(pred, normed)[None])
     positions = torch.arange(n, n + proj.shape[1])
     keys, values = model.context_kv(proj, positions[None])
     base, contexts = state.draft, []
@@ -262,7 +262,7 @@ def test_mode_none_is_the_old_drafting(target, sequences):
         entries = drafter.foresee(c, block, M, budget_s=0.0)
         assert [(e.accepted, e.bonus, e.tokens) for e in entries] == expect, kw
         assert all(e.passes == 2 and e.refreshes == 0 for e in entries)
-        assert drafter.adapter.predict_calls == 1  # no refresh ran
+        assert drafter.scorer.adapter.predict_calls == 1  # no refresh ran
         # Unrefined entries carry the draft model's confidence for the verify-length controller.
         assert all(len(e.confidence) == len(e.tokens) and all(0 < c <= 1 for c in e.confidence) for e in entries)
 
@@ -273,7 +273,7 @@ def test_foresee_refines_and_counts_what_it_spent(target, sequences):
     ctx, _, block = start(target, sequences, drafter)
     entries = drafter.foresee(ctx, block, M, budget_s=0.0)
     assert drafter.stats.plan == Plan(3, 3, 2) and drafter.stats.mode == "anchor"
-    assert drafter.adapter.predict_calls >= 2  # the foresight prediction + at least one refresh
+    assert drafter.scorer.adapter.predict_calls >= 2  # the foresight prediction + at least one refresh
     for e in entries:  # J - R = 1 plain pass, then up to 2 x (refresh, pass) while the row has open positions
         assert 1 <= e.refreshes <= 2 and 1 <= e.passes <= 1 + e.refreshes and len(e.tokens) == M
         assert e.confidence == ()  # refined tokens are not the draft model's: no confidence to report
@@ -297,14 +297,14 @@ def test_a_waiting_message_stops_foresight_between_stages(target, sequences):
     assert drafter.foresee(ctx, block, M, budget_s=0.0, stop=lambda: True) == []
     asked = []
     ctx, _, block = start(target, sequences, drafter)
-    before = drafter.adapter.predict_calls
+    before = drafter.scorer.adapter.predict_calls
 
     def after_first_refresh() -> bool:  # a message arrives while the first refresh runs
-        asked.append(drafter.adapter.predict_calls)
-        return drafter.adapter.predict_calls - before >= 2  # the foresight prediction, then one refresh
+        asked.append(drafter.scorer.adapter.predict_calls)
+        return drafter.scorer.adapter.predict_calls - before >= 2  # the foresight prediction, then one refresh
 
     entries = drafter.foresee(ctx, block, M, budget_s=0.0, stop=after_first_refresh)
-    assert entries and drafter.adapter.predict_calls - before == 2  # no refresh after the interruption
+    assert entries and drafter.scorer.adapter.predict_calls - before == 2  # no refresh after the interruption
     assert all(e.refreshes <= 1 and len(e.tokens) == M for e in entries)
     assert any(e.refreshes == 1 and e.passes == 1 for e in entries), "the pass after the refresh still ran"
     assert len(asked) >= 2

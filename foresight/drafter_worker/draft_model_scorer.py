@@ -15,75 +15,49 @@ context (positions 0..n-1):
               of positions n..n+k, which the adapter would predict.
 
 No refinement (a refresh needs the adapter and decoder); a calibration only when one fit at depth 0 is
-given (`--calibration PATH`: the shipped one was fit on the decoder's scores). The rest of the round (plan,
-select, batched drafting, the speculation cache) is `ForesightDrafter`'s.
+given (`--calibration PATH`: the shipped one was fit on the decoder's scores).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from ..config import EngineConfig
 from ..models.draft_model import ContextKV, DraftModel
-from ..protocol.kinds import Refinement
-from .calibration import Calibration
-from .foresight import STATE_KEY, ForesightDrafter, _RequestState, block_rows, load_calibration
-from .jetspec_proposer import JetSpecProposer
+from .jetspec_proposer import DraftModelState
+from .outcome_scorer import ForesightState, Prediction, block_rows
 from .outcomes import Outcome
 from .proposer import DraftContext
 
-__all__ = ["DraftOnlyForesight", "draft_only_from_config"]
+__all__ = ["DraftModelScorer"]
 
 
-class DraftOnlyForesight(ForesightDrafter):
-    """A JetSpec draft model with foresight from its own probabilities: supports pipelined mode without an
-    adapter."""
+class DraftModelScorer:
+    """The draft model's own probabilities as the outcome scores: see the module."""
 
+    layout = None  # the target sends the draft model's sources only
+    decoder_layers = 0
     refines = False
     # At temperature 0 the draft model's greedy path over its own block accepts every draft: a point mass on
     # an outcome its overconfidence makes up. Its temperature-1 scores rank better (docs/journal/2026-12-03-decoder-depth-0.md).
     greedy_first = False
 
-    def __init__(self, model: DraftModel, passes: int | None = None, cache_size: int = 4,
-                 foresight_passes: int | None = None, temperature: float | None = None, use_budget: bool = True,
-                 calibration: Calibration | None = None):
-        """As `ForesightDrafter`, without adapter, decoder and refinement; `calibration`: one fit at depth 0
-        (`foresight calibrate-foresight --decoder-layers 0`)."""
-        self._init_round(model, passes, cache_size, foresight_passes, temperature, 0, Refinement.NONE,
-                         use_budget, calibration)
-        self.adapter = self.decoder = None
-        self.jetspec = JetSpecProposer(model, self.passes)  # the target sends the draft model's sources only
-        self.layout = self.jetspec.layout
+    def __init__(self, model: DraftModel):
+        self.model = model
 
-    @property
-    def decoder_layers(self) -> int:
-        return 0
+    def new_state(self, model: DraftModelState) -> ForesightState:
+        return ForesightState(model=model)
 
-    def state(self, ctx: DraftContext) -> _RequestState:
-        state = ctx.states.get(STATE_KEY)
-        if state is None:
-            state = ctx.states[STATE_KEY] = _RequestState(model=self.jetspec.state(ctx))
-        return state
+    def take_states(self, state: ForesightState, states: torch.Tensor | None, draft_only: bool) -> None:
+        pass  # the draft model's context is all there is
 
-    def _absorb(self, ctx: DraftContext, draft_only: bool = False) -> _RequestState:
-        """The committed target states not absorbed yet into the draft model's context (all there is)."""
-        state = self.state(ctx)
-        self.jetspec.absorb(ctx)
-        return state
-
-    absorb = _absorb
-
-    def lags(self, ctx: DraftContext) -> bool:
+    def lags(self, ctx: DraftContext, state: ForesightState | None) -> bool:
         return False  # the draft model takes its states in one pass when it drafts
 
-    def catch_up(self, ctx: DraftContext, stop) -> bool:
-        """`ForesightDrafter.catch_up`: here the draft model is all there is, one pass."""
-        self._absorb(ctx)
+    def catch_up(self, state: ForesightState, stop) -> bool:
         return True
 
     @torch.inference_mode()
-    def _predict_blocks(self, states: list[_RequestState], ctxs: list[DraftContext], blocks: list[list[int]]):
+    def predict_blocks(self, states: list[ForesightState], ctxs: list[DraftContext],
+                       blocks: list[list[int]]) -> list[Prediction]:
         """One draft-model pass over every request's [y0, d_1..d_gamma] -> per request (None, logits
         [gamma+1, vocab] float32 with -inf outside the draft model's vocabulary, None)."""
         for state, ctx in zip(states, ctxs):
@@ -103,20 +77,12 @@ class DraftOnlyForesight(ForesightDrafter):
     def draft_states(self, pred, dec_states) -> None:
         return None  # no predicted states: `outcome_rows` puts the block's tokens into each row instead
 
-    def outcome_rows(self, ctx: DraftContext, state: _RequestState, states, block: list[int],
+    def outcome_rows(self, ctx: DraftContext, state: ForesightState, states, block: list[int],
                      outcomes: list[Outcome]) -> tuple[list[ContextKV], list[list[int]]]:
         """Per outcome (k, a): the true context, and the fixed inputs y0, d_1..d_k, a (the block starts at
         the anchor's position n whatever k)."""
         return [state.draft] * len(outcomes), [[ctx.tokens[-1], *block[:o.k], o.a] for o in outcomes]
 
-    def bound_rows(self, state: _RequestState, n: int) -> None:
+    def bound_rows(self, state: ForesightState, n: int) -> None:
         return None  # refinement never runs here (`refines`): plans carry no refresh
 
-
-def draft_only_from_config(drafter_path: Path, cfg: EngineConfig) -> DraftOnlyForesight:
-    """The draft model from its checkpoint, with foresight at decoder depth 0. A calibration only from a
-    PATH: the one shipped beside the adapter (`auto`) was fit on the decoder's scores."""
-    proposer = JetSpecProposer.from_config(drafter_path, cfg)
-    calibration = None if cfg.calibration in ("auto", "none") else load_calibration(cfg, drafter_path)
-    return DraftOnlyForesight(proposer.model, passes=cfg.draft_passes, cache_size=cfg.cache_size,
-                              use_budget=cfg.foresight_budget, calibration=calibration)

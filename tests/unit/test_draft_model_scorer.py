@@ -1,4 +1,4 @@
-"""Foresight at decoder depth 0 (`DraftOnlyForesight`): the draft model scores the outcomes of the block
+"""Foresight at decoder depth 0 (`DraftModelScorer`): the draft model scores the outcomes of the block
 under verification itself and drafts each one as a block whose first inputs are the real tokens
 y0, d_1..d_k, a. On a tiny Llama with a random (seeded) draft model, float32."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from foresight.config import ConfigError, EngineConfig
-from foresight.drafter_worker.draft_foresight import DraftOnlyForesight
+from foresight.drafter_worker.draft_model_scorer import DraftModelScorer
+from foresight.drafter_worker.foresight import ForesightDrafter
 from foresight.drafter_worker.outcomes import outcome_scores, select_outcomes
 from foresight.drafter_worker.proposer import DraftContext
 from support.inprocess import InProcessEngine
@@ -26,9 +27,13 @@ def target():
     return tiny_model("llama")
 
 
-def drafter_at(target, tokens: list[int], **kw) -> tuple[DraftOnlyForesight, DraftContext]:
+def draft_only(model, **kw) -> ForesightDrafter:
+    return ForesightDrafter(model, DraftModelScorer(model), **kw)
+
+
+def drafter_at(target, tokens: list[int], **kw) -> tuple[ForesightDrafter, DraftContext]:
     """A depth-0 drafter holding the true context of tokens[:-1] (the anchor tokens[-1] at position n)."""
-    drafter = DraftOnlyForesight(make_draft_model(target), use_budget=False, **kw)
+    drafter = draft_only(make_draft_model(target), use_budget=False, **kw)
     truth = true_states(target, tokens[:-1], drafter.layout.layers)
     ctx = DraftContext(req_id="r", tokens=list(tokens), seed=3, hidden=[truth])
     drafter.add_request(ctx)
@@ -75,7 +80,7 @@ def test_depth_zero_scores_are_the_draft_models_outcome_law(target):
     model, state = drafter.model, drafter.state(ctx)
     block = fixed_point(model, state.draft, ctx.tokens[-1:], GAMMA)
     block[3] = (block[3] + 1) % VOCAB  # the draft model's own block, its 4th token changed
-    (pred, logits, dec), = drafter._predict_blocks([state], [ctx], [block])
+    (pred, logits, dec), = drafter.predict_blocks([state], [ctx], [block])
     assert pred is None and dec is None and logits.shape == (GAMMA + 1, VOCAB)
     q = model.block_logits([state.draft], torch.tensor([[ctx.tokens[-1], *block]]))[0]  # [gamma+1, V']
     torch.testing.assert_close(logits[:, model.vocab_subset], q)
@@ -94,7 +99,7 @@ def test_depth_zero_scores_are_the_draft_models_outcome_law(target):
 
 def test_pipelined_at_depth_zero_is_lossless_and_consults_the_cache(target):
     seq = PROMPT + plain_greedy(target, PROMPT, 30, eos=target.config.eos_token_id)
-    drafter = DraftOnlyForesight(make_draft_model(target), passes=1, cache_size=4)
+    drafter = draft_only(make_draft_model(target), passes=1, cache_size=4)
     engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter,
                              foresight_to_completion=True)
     try:
@@ -124,7 +129,7 @@ def test_make_proposer_builds_depth_zero_without_an_adapter(tmp_path):
     assert type(make_proposer(cfg)) is JetSpecProposer and why_no_foresight(cfg)  # no adapter: sync only
     depth0 = dataclasses.replace(cfg, decoder_layers=0)
     proposer = make_proposer(depth0)
-    assert isinstance(proposer, DraftOnlyForesight) and proposer.supports_foresight and proposer.decoder_layers == 0
+    assert isinstance(proposer.scorer, DraftModelScorer) and proposer.supports_foresight and proposer.decoder_layers == 0
     assert why_no_foresight(depth0) is None
     assert list(proposer.layout.layers) == sorted(proposer.model.config.target_layers)
     with pytest.raises(ConfigError, match="decoder_layers"):
@@ -135,5 +140,5 @@ def test_make_proposer_builds_depth_zero_without_an_adapter(tmp_path):
     adapter = Adapter.from_target(target, target_indices=[1])
     adapter.config.decoder_layers = 0
     adapter.save(tmp_path / "drafter" / "adapter")
-    assert isinstance(make_proposer(cfg), DraftOnlyForesight)
-    assert not isinstance(make_proposer(dataclasses.replace(cfg, decoder_layers=2)), DraftOnlyForesight)
+    assert isinstance(make_proposer(cfg).scorer, DraftModelScorer)
+    assert not isinstance(make_proposer(dataclasses.replace(cfg, decoder_layers=2)).scorer, DraftModelScorer)
