@@ -17,7 +17,7 @@ from foresight.config import EngineConfig
 from foresight.models.decoder import ForesightDecoder
 from foresight.models.draft_model import DraftConfig, DraftModel, SharedWeights
 from foresight.drafter_worker.calibration import Calibration
-from foresight.drafter_worker import foresight as foresight_module
+from foresight.drafter_worker import decoder_scorer
 from foresight.drafter_worker.decoder_scorer import AdapterDecoderScorer
 from foresight.drafter_worker.foresight import ForesightDrafter
 from foresight.drafter_worker.jetspec_proposer import JetSpecProposer
@@ -125,7 +125,7 @@ def test_a_catch_up_runs_adapter_and_decoder_in_passes_that_pause(target, sequen
     """`catch_up` (mode auto before a switch to pipelined) takes the committed states into the adapter and
     decoder CATCH_UP_ROWS positions a pass, pauses when `stop()` is true, and leaves them exactly as one
     prediction that took all of them at once."""
-    monkeypatch.setattr(foresight_module, "CATCH_UP_ROWS", 5)
+    monkeypatch.setattr(decoder_scorer, "CATCH_UP_ROWS", 5)
     seq, p = sequences[0], len(PROMPTS[0])  # 12 prompt positions: passes of 5, 5 and 2
     truth = true_states(target, seq, make_drafter(target, sequences).layout.layers)
 
@@ -149,7 +149,7 @@ def test_a_foresight_job_catches_up_in_passes_a_message_stops(target, sequences,
     """A request's first foresight job, whose decoder lacks the prompt, catches up in passes first: a message
     that arrives meanwhile ends the job after its pass, with nothing pre-drafted (the target never waits for
     the whole catch-up); the next job goes on from there and pre-drafts what an uninterrupted one would."""
-    monkeypatch.setattr(foresight_module, "CATCH_UP_ROWS", 4)
+    monkeypatch.setattr(decoder_scorer, "CATCH_UP_ROWS", 4)
     seq, p = sequences[0], len(PROMPTS[0])  # 12 prompt positions: three passes
     truth = true_states(target, seq, make_drafter(target, sequences).layout.layers)
 
@@ -178,7 +178,7 @@ def test_the_catch_up_is_not_counted_as_the_prediction_cost(target, sequences, m
 
     clock = [0.0]
     monkeypatch.setattr(foresight_batch, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(foresight_module, "CATCH_UP_ROWS", 4)
+    monkeypatch.setattr(decoder_scorer, "CATCH_UP_ROWS", 4)
     drafter = make_drafter(target, sequences)
     catch_up = drafter.catch_up
 
