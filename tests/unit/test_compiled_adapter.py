@@ -115,9 +115,9 @@ def test_pipelined_greedy_with_the_compiled_adapter_equals_plain_greedy(tmp_path
     model = tiny_model("llama", varied=True)
     sequences = [p + plain_greedy(model, p, NEW, eos=model.config.eos_token_id) for p in PROMPTS]
     drafter = make_drafter(model, sequences, passes=1, cache_size=4, temperature=0.0)
-    drafter.adapter = Adapter.from_target(model, drafter.adapter.target_indices)
-    compiled = compiled_adapter_for(drafter.adapter, "on", "cpu", tmp_path, autotune=False)
-    assert compiled is not None and drafter.adapter.compiled is compiled
+    drafter.scorer.adapter = Adapter.from_target(model, drafter.scorer.adapter.target_indices)
+    compiled = compiled_adapter_for(drafter.scorer.adapter, "on", "cpu", tmp_path, autotune=False)
+    assert compiled is not None and drafter.scorer.adapter.compiled is compiled
     engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter,
                              foresight_to_completion=True)
     try:
@@ -127,6 +127,6 @@ def test_pipelined_greedy_with_the_compiled_adapter_equals_plain_greedy(tmp_path
     finally:
         engine.close()
     assert compiled.passes > 0
-    info = compiled_adapter_info(drafter.adapter)
+    info = compiled_adapter_info(drafter.scorer.adapter)
     assert info == {"adapter_pass": True, "adapter_compile_s": round(compiled.compile_s, 1), "adapter_loaded": 0}
     assert compiled.extensions > 0
