@@ -5,9 +5,8 @@ On a CPU the two workers split the cores: the target's `--target-threads`, the d
 alone (plain steps, prompt lookup), and in a sync or hybrid round while the target verifies (the drafter
 then waits for the outcome). A step in such a moment runs on both shares; only while the drafter drafts a
 block or runs foresight (pipelined: it pre-drafts during the verification) does the target keep to its own.
-Measured on the 2-core development CPU (`scripts/step_threads.py`, SmolLM2-135M, 200-token context): two
-threads against one, bf16: 1.28x on a plain step, 1.55x on a 4-draft verification; fp32: 1.00x and 1.32x.
-Switching the count between steps costs no measurable time there.
+What the second share buys, and that switching the count between steps costs nothing measurable: `scripts/
+step_threads.py`, docs/journal/2026-11-30-mode-auto.md.
 """
 from __future__ import annotations
 
