@@ -41,7 +41,7 @@ def main() -> None:
     served = apply_quantization(target, "auto", path, "cpu", "target")
     drafters = {name: make_proposer(EngineConfig(dtype=dtype, drafter_compile=choice, drafter_threads=threads))
                 for name, choice in (("eager", "off"), ("compiled", "auto"))}
-    compiled = drafters["compiled"].decoder.compiled
+    compiled = drafters["compiled"].scorer.decoder.compiled
     print(f"target {served} {dtype}, {threads} thread(s); compiled decoder: "
           f"{'none' if compiled is None else 'loaded' if compiled.loaded else f'{compiled.compile_s:.1f} s compiling'}",
           flush=True)
@@ -61,7 +61,7 @@ def main() -> None:
         print(f"{name:>8}: predict {predict:6.2f} ms a round (median of {rounds} rounds), hit rate {hits}", flush=True)
     if compiled is not None:
         print(f"compiled decoder passes: {compiled.passes} (single-row passes left eager: {compiled.eager_passes})")
-    adapter = drafters["compiled"].adapter.compiled
+    adapter = drafters["compiled"].scorer.adapter.compiled
     if adapter is not None:
         print(f"compiled adapter predictions: {adapter.passes} (left eager: {adapter.eager_passes})")
 
