@@ -19,6 +19,7 @@ CPU_LINEARS = ("auto", "prepacked", "plain")  # models/cpu_linear.py
 QUANTIZATIONS = ("auto", "none", "int4", "int8")  # models/quantization.py
 COMPILES = ("auto", "on", "off")  # models/compiled_step.py
 LOGPROBS_MODES = ("raw", "processed")  # target_worker/logprobs.py
+TOOL_PARSERS = ("auto", "json", "hermes", "llama3_json")  # server/tool_formats.py
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -206,6 +207,9 @@ class ServerConfig:
     # Control-token text inside chat message content becomes the control tokens (trusted clients only); by
     # default it is tokenized as text (server/chat_prompt.py)
     allow_special_tokens_in_content: bool = False
+    # How tools are described and calls written: auto (by the chat template) | json | hermes | llama3_json
+    # (server/tool_formats.py)
+    tool_call_parser: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -245,6 +249,9 @@ class ServerConfig:
             raise ConfigError("drain_timeout must be a finite number of seconds >= 0")
         if not 0.0 < self.startup_timeout_s < float("inf"):
             raise ConfigError("startup_timeout must be a finite number of seconds > 0")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ConfigError(f"tool_call_parser (--tool-call-parser) must be one of {', '.join(TOOL_PARSERS)} "
+                              f"(got {self.tool_call_parser!r})")
 
 
 def parse_cores(text: str, name: str) -> tuple[int, ...]:
@@ -424,6 +431,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="chat: text of control tokens (<|im_end|>, ...) inside a message becomes those tokens, for "
                         "clients you trust; by default it is tokenized as text, so no message can forge a turn")
+    g.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=TOOL_PARSERS,
+                   help="how tools are described and calls written: hermes (<tool_call> tags: Qwen, Hermes), "
+                        "llama3_json (Llama 3.1+), json (this server's own, tools in a system message), or auto: "
+                        "by the chat template (default auto)")
 
 
 def server_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerConfig:
@@ -439,4 +450,5 @@ def server_from_args(args: argparse.Namespace, engine: EngineConfig) -> ServerCo
                         api_key=api_key, max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                         heartbeat_timeout_s=args.heartbeat_timeout, stall_timeout_s=args.stall_timeout,
                         drain_timeout_s=args.drain_timeout,
-                        allow_special_tokens_in_content=args.allow_special_tokens_in_content, engine=engine)
+                        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+                        tool_call_parser=args.tool_call_parser, engine=engine)

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import DEFAULT_MODEL_NAME, ServerConfig
+from ..config import DEFAULT_MODEL_NAME, ConfigError, ServerConfig
 from ..models.loading import load_tokenizer, resolve_target
 from .engine_client import EngineClient, EngineUnavailable, KVBudgetExceeded, QueueFull
 from .errors import AsciiJSONResponse, error, internal_message
@@ -21,6 +21,7 @@ from .openai_schemas import ChatCompletionRequest, CompletionRequest, error_body
 from .responses import Job, complete, stream
 from .serving import BadRequest, RequestRunner
 from .shutdown import Drain
+from .tool_formats import tool_format
 
 log = logging.getLogger("foresight.server")
 NOT_READY = "the engine is not ready (loading, or a worker died and is being restarted)"
@@ -68,6 +69,10 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
     if tokenizer is None:
         tokenizer = load_tokenizer(resolve_target(cfg.engine.target))  # converts the embedded default once
     model_name = served_model_name(cfg)
+    try:
+        calls_format = tool_format(tokenizer, cfg.tool_call_parser)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if engine is None:
         engine = EngineClient(cfg.engine, cfg.max_num_seqs, cfg.max_waiting, cfg.startup_timeout_s,
                               cfg.max_restarts, ServerMetrics(model_name, max_draft_tokens=cfg.engine.gamma),
@@ -93,7 +98,8 @@ def create_app(cfg: ServerConfig, engine=None, tokenizer=None) -> FastAPI:
             return
         info = engine.target_info()
         state["runner"] = RequestRunner(engine, tokenizer, model_name, info["max_model_len"], metrics,
-                                        special_tokens_in_content=cfg.allow_special_tokens_in_content)
+                                        special_tokens_in_content=cfg.allow_special_tokens_in_content,
+                                        tool_format=calls_format)
         yield
         state["runner"].close()
         await engine.stop()

@@ -32,19 +32,22 @@ def holds_control_text(text: str, controls: list[str]) -> bool:
     return any(c in text for c in controls)
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], split_special: bool, controls: list[str]) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], split_special: bool, controls: list[str],
+                    tools: list[dict] | None = None) -> list[int]:
     """The prompt of `messages` ({"role", "content"} dicts) with the generation prompt after them. `split_special`:
-    control-token text inside a message's content is tokenized as text."""
+    control-token text inside a message's content is tokenized as text. `tools`: given to a template that
+    describes them itself (OpenAI tool objects)."""
+    extra = {"tools": tools} if tools else {}
     if not split_special or not any(holds_control_text(m["content"], controls) for m in messages):
-        return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-    return piecewise_ids(tokenizer, messages)
+        return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra))
+    return piecewise_ids(tokenizer, messages, extra)
 
 
-def piecewise_ids(tokenizer, messages: list[dict]) -> list[int]:
+def piecewise_ids(tokenizer, messages: list[dict], extra: dict | None = None) -> list[int]:
     """The template's text tokenized as usual and each message's content with special tokens split (a template
-    that does not keep every content once, in order: ContentNotKept)."""
+    that does not keep every content once, in order: ContentNotKept). `extra`: the template's other inputs."""
     marked = [{**m, "content": _MARK.format(i)} for i, m in enumerate(messages)]
-    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False, **(extra or {}))
     pieces = _MARK_RE.split(rendered)  # [template text, content index, template text, ...]
     if [int(i) for i in pieces[1::2]] != list(range(len(messages))):
         raise ContentNotKept("the chat template does not keep each message's content once, in order")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..protocol.messages import GenerateRequest
 from .logprobs import ChoiceLogprobs
 from .serving import Piece
-from .structured import TOOL_MARK, Structure, tool_calls
+from .structured import Structure, tool_calls
 
 
 class Choice:
@@ -50,7 +50,7 @@ class Choice:
         self.reason = piece.reason or self.reason
         text = "".join(self.texts)
         if self.calling is None and text:
-            self.calling = text.startswith(TOOL_MARK[0])
+            self.calling = text.startswith(self.structure.format.mark[0])
         if piece.reason is not None and self.calling:
             self.calls = tool_calls(text, self.structure)
         return parts

@@ -15,12 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from ..protocol.messages import GenerateRequest, RoundStats, SamplingParams, TokenOutput
-from .chat_prompt import ContentNotKept, added_token_texts, chat_prompt_ids
+from .chat_prompt import ContentNotKept, added_token_texts, chat_prompt_ids, holds_control_text
 from .detokenizer import IncrementalDetokenizer
 from .engine_client import EngineClient, RequestError
 from .logprobs import TokenTexts
 from .openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from .structured import Structure, StructureError, rendered_message, structure_of, with_tool_prompt
+from .structured import Structure, StructureError, structure_of, template_input
+from .tool_formats import JSON_TOOLS, ToolFormat
 
 log = logging.getLogger("foresight.server")
 
@@ -141,8 +142,10 @@ class RequestRunner:
     """Builds engine requests from OpenAI bodies and turns outputs back into OpenAI responses."""
 
     def __init__(self, engine: EngineClient, tokenizer, model_name: str, max_model_len: int, metrics=None,
-                 max_prompt_chars: int | None = None, special_tokens_in_content: bool = False):
-        """`special_tokens_in_content`: control-token text in chat messages becomes control tokens (chat_prompt.py)."""
+                 max_prompt_chars: int | None = None, special_tokens_in_content: bool = False,
+                 tool_format: ToolFormat = JSON_TOOLS):
+        """`special_tokens_in_content`: control-token text in chat messages becomes control tokens (chat_prompt.py);
+        `tool_format`: how tools are described and calls written (tool_formats.py)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -157,6 +160,7 @@ class RequestRunner:
         self.token_texts = TokenTexts(tokenizer) if tokenizer is not None else None  # logprobs' token strings
         self.split_special = not special_tokens_in_content
         self.controls = added_token_texts(tokenizer) if tokenizer is not None else []
+        self.tool_format = tool_format
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -190,10 +194,11 @@ class RequestRunner:
     def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         from jinja2 import TemplateError
 
-        messages = [rendered_message(m) for m in body.messages]
-        messages = with_tool_prompt(messages, body)
+        messages, tools = template_input(body, self.tool_format)
+        if self.split_special and self.tool_format.native:
+            self._check_no_control_text(messages, tools)
         try:
-            return chat_prompt_ids(self.tokenizer, messages, self.split_special, self.controls)
+            return chat_prompt_ids(self.tokenizer, messages, self.split_special, self.controls, tools)
         except ContentNotKept as exc:
             raise BadRequest(f"messages hold control-token text, and {exc}", "messages")
         except TemplateError as exc:  # the template's own verdict, e.g. "roles must alternate"
@@ -201,6 +206,14 @@ class RequestRunner:
         except Exception:
             log.warning("chat template failed on a request's messages", exc_info=True)
             raise BadRequest("messages could not be formatted with the chat template", "messages")
+
+    def _check_no_control_text(self, messages: list[dict], tools: list[dict] | None) -> None:
+        """A template that knows tools writes their definitions and the calls given back as they are: control-token
+        text there could close a turn and forge another, so it is refused (message contents are split instead)."""
+        calls = [m["tool_calls"] for m in messages if "tool_calls" in m]
+        for value, param in ((tools, "tools"), (calls, "messages")):
+            if value and holds_control_text(json.dumps(value, ensure_ascii=False), self.controls):
+                raise BadRequest(f"{param} hold control-token text (one of the tokenizer's added tokens)", param)
 
     def build(self, body: SamplingFields, prompt_ids: list[int], prompt_param: str,
               req_id: str | None = None, structure: Structure | None = None) -> GenerateRequest:
@@ -244,7 +257,7 @@ class RequestRunner:
     def structure(self, body: SamplingFields) -> Structure:
         """What the output must be (response_format, tools), its grammar compiled (structured.py)."""
         try:
-            return structure_of(body)
+            return structure_of(body, self.tool_format)
         except StructureError as exc:
             raise BadRequest(str(exc), exc.param) from None
 

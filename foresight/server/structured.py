@@ -14,6 +14,10 @@ cannot wander into whitespace.
   nor called.
 - The tools are described to the model in a system message (`tool_prompt`); calls sent back in an assistant
   message are rendered as the JSON list this server generates, and a `tool` message's result as its content.
+
+That is this server's own format, for chat templates that know no tools. A template that does (Qwen's hermes
+tags, Llama 3's JSON) gets the tools and the calls given back itself, and the grammar makes the model write its
+own format (tool_formats.py, `--tool-call-parser`).
 """
 from __future__ import annotations
 
@@ -21,9 +25,10 @@ import json
 import uuid
 from dataclasses import dataclass
 
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+from .tool_formats import JSON_STYLE, JSON_TOOLS, ToolFormat, call_schema, parameters
+
 # tool_choice auto: an answer that starts with this is calls; a text answer cannot start with "<".
-TOOL_MARK = "<tool_call>"
+TOOL_MARK = JSON_TOOLS.mark
 ANY_OBJECT = {"type": "object"}
 
 
@@ -39,9 +44,10 @@ class Structure:
 
     grammar: str | None = None  # llguidance grammar (None: free text)
     tools: tuple[dict, ...] = ()  # the functions the output calls (OpenAI `function` objects); () = no calls
-    named: str | None = None  # tool_choice names this function: the output is its arguments
+    named: str | None = None  # tool_choice names this function (json format: the output is its arguments alone)
     parallel: bool = True  # tool_choice required / auto: an array of calls (else one call)
-    auto: bool = False  # tool_choice auto: a text answer, or TOOL_MARK and the calls
+    auto: bool = False  # tool_choice auto: a text answer, or the format's mark and the calls
+    format: ToolFormat = JSON_TOOLS  # how the calls are written (tool_formats.py)
 
     @property
     def calls_tools(self) -> bool:
@@ -49,15 +55,16 @@ class Structure:
         return bool(self.tools) and not self.auto
 
 
-def structure_of(body) -> Structure:
-    """The structure a chat or completions body asks for (StructureError naming the field if it cannot be)."""
-    fmt = getattr(body, "response_format", None)
+def structure_of(body, fmt: ToolFormat = JSON_TOOLS) -> Structure:
+    """The structure a chat or completions body asks for, tool calls written in `fmt` (StructureError naming the
+    field if it cannot be)."""
+    response = getattr(body, "response_format", None)
     schema = None
-    if fmt is not None and fmt.type == "json_object":
+    if response is not None and response.type == "json_object":
         schema = ANY_OBJECT
-    elif fmt is not None and fmt.type == "json_schema":
-        schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else ANY_OBJECT
-    tools = _tool_structure(body)
+    elif response is not None and response.type == "json_schema":
+        schema = response.json_schema.schema_ if response.json_schema.schema_ is not None else ANY_OBJECT
+    tools = _tool_structure(body, fmt)
     if schema is not None and tools.calls_tools:
         raise StructureError("response_format and a tool call cannot both shape one answer", "response_format")
     if schema is not None:
@@ -71,7 +78,7 @@ def tools_of(body) -> tuple[list[dict], object]:
         getattr(body, "tool_choice", None)
 
 
-def _tool_structure(body) -> Structure:
+def _tool_structure(body, fmt: ToolFormat) -> Structure:
     tools, choice = tools_of(body)
     if not tools:
         if choice not in (None, "none"):
@@ -80,28 +87,41 @@ def _tool_structure(body) -> Structure:
     if choice == "none":
         return Structure()
     parallel = getattr(body, "parallel_tool_calls", None) is not False
+    if fmt.native:
+        return _native_structure(tools, choice, parallel, fmt)
     if choice in (None, "auto"):  # OpenAI's default with tools
         lark = f"start: TEXT | {json.dumps(TOOL_MARK)} calls\nTEXT: /[^<][\\s\\S]*/\ncalls: %json " + \
             json.dumps({**calls_schema(tools, parallel), "x-guidance": JSON_STYLE})
         return Structure(grammar=compiled_lark(lark, "tools"), tools=tuple(tools), parallel=parallel, auto=True)
     if choice == "required":
         return Structure(grammar=compiled(calls_schema(tools, parallel), "tools"), tools=tuple(tools), parallel=parallel)
+    named = _named(tools, choice)
+    return Structure(grammar=compiled(parameters(named[0]), "tools"), tools=tuple(named), named=named[0]["name"])
+
+
+def _named(tools: list[dict], choice) -> list[dict]:
     named = [t for t in tools if t["name"] == choice.function.name]
     if not named:
         raise StructureError(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
-    return Structure(grammar=compiled(_parameters(named[0]), "tools"), tools=tuple(named), named=named[0]["name"])
+    return named
+
+
+def _native_structure(tools: list[dict], choice, parallel: bool, fmt: ToolFormat) -> Structure:
+    """Calls in the model's own format: auto (text or calls), required (calls), a named function (one call of
+    it, in the same wrapping as any other call)."""
+    auto = choice in (None, "auto")
+    named = None if auto or choice == "required" else _named(tools, choice)
+    callable_ = named or tools
+    parallel = parallel and named is None
+    grammar = compiled_lark(fmt.calls_lark(callable_, parallel, auto), "tools")
+    return Structure(grammar=grammar, tools=tuple(callable_), named=named[0]["name"] if named else None,
+                     parallel=parallel, auto=auto, format=fmt)
 
 
 def calls_schema(tools: list[dict], parallel: bool) -> dict:
     """The JSON schema of calls of `tools`: an array of one or more (`parallel`), else one call."""
-    calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": _parameters(t)},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    call = call_schema(tools, "arguments")
     return {"type": "array", "items": call, "minItems": 1} if parallel else call
-
-
-def _parameters(tool: dict) -> dict:
-    return tool.get("parameters") or {"type": "object", "properties": {}}
 
 
 def compiled(schema: dict, param: str) -> str:
@@ -147,6 +167,17 @@ def tool_prompt(tools: tuple[dict, ...], named: str | None, auto: bool = False) 
     return f"You can call functions. Answer with {calls}.\nFunctions:\n{listed}"
 
 
+def template_input(body, fmt: ToolFormat) -> tuple[list[dict], list[dict] | None]:
+    """A chat body's messages as the template gets them, and the tools to give the template itself (None: the
+    format describes them in a system message, or the request calls none)."""
+    if not fmt.native:
+        return with_tool_prompt([rendered_message(m) for m in body.messages], body), None
+    names = {c.id: c.function.name for m in body.messages for c in m.tool_calls or ()}
+    tools, choice = tools_of(body)
+    messages = [native_message(m, names) for m in body.messages]
+    return messages, [{"type": "function", "function": t} for t in tools] if tools and choice != "none" else None
+
+
 def rendered_message(message) -> dict:
     """A chat message as the template gets it ({"role", "content"}): an assistant message that called tools carries
     its calls as the JSON list this server generates them in, a tool message its result as its content."""
@@ -156,6 +187,20 @@ def rendered_message(message) -> dict:
         calls = [{"name": c.function.name, "arguments": _json_or_text(c.function.arguments)} for c in message.tool_calls]
         text = f"{text}\n{json.dumps(calls, ensure_ascii=False)}" if text else json.dumps(calls, ensure_ascii=False)
     return {"role": role, "content": text}
+
+
+def native_message(message, names: dict[str, str]) -> dict:
+    """A chat message for a template that knows tools: an assistant's calls as `tool_calls` (arguments decoded,
+    as templates write them with `tojson`), a tool result with the id and the name of the call it answers."""
+    out = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+        if message.tool_call_id in names:
+            out["name"] = names[message.tool_call_id]
+    return out
 
 
 def _json_or_text(text: str):
@@ -180,6 +225,9 @@ def with_tool_prompt(messages: list[dict], body) -> list[dict]:
 def tool_calls(text: str, structure: Structure) -> list[dict] | None:
     """OpenAI `tool_calls` of a finished choice's text (None: the text is not a complete call, e.g. cut short, or
     with tool_choice auto an answer in text)."""
+    if structure.format.native:
+        found = structure.format.parse(text) if text.startswith(structure.format.mark) else None
+        return _openai_calls(found) if found else None
     if structure.auto:
         if not text.startswith(TOOL_MARK):
             return None
@@ -192,6 +240,10 @@ def tool_calls(text: str, structure: Structure) -> list[dict] | None:
         calls = [{"name": structure.named, "arguments": value}]
     else:
         calls = value if structure.parallel else [value]
+    return _openai_calls([(c["name"], c["arguments"]) for c in calls])
+
+
+def _openai_calls(calls: list[tuple[str, object]]) -> list[dict]:
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-            for c in calls]
+             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            for name, arguments in calls]

@@ -87,13 +87,21 @@ def tiny_char_tokenizer():
     """A tokenizer for the tiny models' vocabulary: the 95 printable ASCII characters (ids 0..94, byte-level
     symbols as GPT-2's, so a space is its own token) and the eos "</s>" (95, the tiny configs' eos): JSON can be
     written with it, which the structured-output tests need."""
+    tok = char_tokenizer(list(range(32, 127)))
+    assert len(tok) == VOCAB
+    return tok
+
+
+def char_tokenizer(codes: list[int]):
+    """A token per character of `codes` (ids in that order, byte-level symbols as GPT-2's) and the eos "</s>"
+    after them."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     symbols = bytes_to_unicode()
-    vocab = {symbols[c]: i for i, c in enumerate(range(32, 127))}
-    vocab["</s>"] = VOCAB - 1
+    vocab = {symbols[c]: i for i, c in enumerate(codes)}
+    vocab["</s>"] = len(codes)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
