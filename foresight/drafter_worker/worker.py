@@ -36,6 +36,7 @@ from ..protocol.messages import DraftBlock, DrafterIdle, Outcome, ReleaseDraft, 
 from ..protocol.liveness import Heartbeats, prepare_worker_process, worker_lifetime
 from ..placement import pin_worker
 from ..protocol.sockets import MessageSocket
+from ..spec.sampling import banned_tokens, drafts_before_banned
 from .ngram import NgramProposer
 from .proposer import Draft, DraftContext, Proposer
 from .strategies import auto_strategies, offered_strategies
@@ -264,6 +265,8 @@ class DrafterWorker:
         """Send the prefix of `draft` worth verifying (`entry`: the cache entry it came from, on a hit) and,
         in a pipelined round, queue foresight for it."""
         ctx = ask.ctx
+        if ctx.sampling is not None and ctx.sampling.logit_bias:  # drafts after a banned token are never verified
+            draft = draft.prefix(drafts_before_banned(draft.tokens, banned_tokens(ctx.sampling.logit_bias)))
         ctx.last_block = draft = self.verify_prefix(ctx, draft, time.perf_counter() - ask.started)
         self.send_to_target.send(DraftBlock(
             req_id=ctx.req_id, round=ctx.round, tokens=draft.tokens,

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["is_greedy", "process_logits", "target_probs", "sample", "check_sampling", "PositionDraws", "BlockDraws"]
+__all__ = ["is_greedy", "process_logits", "target_probs", "sample", "check_sampling", "PositionDraws", "BlockDraws",
+           "banned_tokens", "drafts_before_banned"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -191,3 +192,23 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None,
     u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
     tokens = torch.searchsorted(cdf, u * total, right=True)  # [..., 1]
     return tokens.squeeze(-1)
+
+
+# A logit bias at or below this bans its token (OpenAI's -100): the target gives it at most e^-100 of the row's
+# best token's probability, so a draft of it is rejected, and the drafts after it are never verified.
+BAN_BIAS = -100.0
+
+
+def banned_tokens(logit_bias: list[tuple[int, float]]) -> frozenset[int]:
+    """The tokens a request's `logit_bias` bans."""
+    return frozenset(token for token, bias in logit_bias if bias <= BAN_BIAS)
+
+
+def drafts_before_banned(tokens: list[int], banned: frozenset[int]) -> int:
+    """How many of `tokens` come before the first banned one: the drafts worth verifying. Drafters cut their
+    blocks there (speed only: verification would reject the banned draft anyway)."""
+    if banned:
+        for i, token in enumerate(tokens):
+            if token in banned:
+                return i
+    return len(tokens)

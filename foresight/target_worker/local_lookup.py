@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..config import EngineConfig
 from ..spec.ngram import lookup
+from ..spec.sampling import drafts_before_banned
 from ..control.verify_length import VerifyLengthController
 
 
@@ -21,12 +22,14 @@ class LocalLookup:
         self.lengths = None if cfg.verify_length == "max" else \
             VerifyLengthController(allow_skip=cfg.verify_length == "auto")
 
-    def propose(self, tokens: list[int], max_drafts: int, round_: int) -> list[int]:
+    def propose(self, tokens: list[int], max_drafts: int, round_: int,
+                banned: frozenset[int] = frozenset()) -> list[int]:
         """The drafts to verify after `tokens` (prompt + output; the last one is the anchor) in request round
-        `round_`, at most `max_drafts`."""
+        `round_`, at most `max_drafts`, ending before any token in `banned` (the request's logit bias bans it)."""
         if self.lengths is not None:
             max_drafts = self.lengths.draft_length(max_drafts, round_)
         drafts = lookup(tokens, max_drafts, self.n_max, self.n_min)
+        drafts = drafts[:drafts_before_banned(drafts, banned)]
         if self.lengths is None or not drafts:
             return drafts
         return drafts[: self.lengths.choose(len(drafts), [], round_)]

@@ -47,7 +47,7 @@ from ..models.cpu_linear import use_cpu_linears
 from ..models.loading import cache_root, load_target, load_tokenizer, resolve_dtype, resolve_target
 from .packed_step import packed_attention
 from .small_attention import SMALL_QUERY
-from ..spec.sampling import PositionDraws
+from ..spec.sampling import PositionDraws, banned_tokens
 from .drafter_link import DrafterLink
 from .local_lookup import LocalLookup
 from .request_state import RequestState
@@ -404,7 +404,8 @@ class TargetWorker:
         """The drafts of a round the target runs without the drafter: none for "ar", prompt lookup for "ngram"."""
         if state.strategy != Strategy.NGRAM:
             return []
-        return self.lookup.propose(state.request.prompt_ids + state.output_ids, self.max_drafts(state), state.round)
+        return self.lookup.propose(state.request.prompt_ids + state.output_ids, self.max_drafts(state), state.round,
+                                   banned_tokens(state.request.sampling.logit_bias))
 
     def commit(self, state: RequestState, tokens: list[int], accepted: int, stats: RoundStats | None,
                hidden: torch.Tensor | None, prefill: bool = False, logprobs: TokenLogprobs | None = None) -> None:

@@ -101,3 +101,35 @@ def test_greedy_decoding_with_rules_equals_ruled_plain_greedy_in_every_mode(mode
     if mode in ("sync", "pipelined"):
         drafted = [r for r in got["rounds"] if r.drafted]
         assert any(r.accepted < r.drafted for r in drafted) and any(r.accepted > 0 for r in drafted)
+
+
+def test_a_banned_token_ends_drafts_before_it():
+    from foresight.spec.sampling import banned_tokens, drafts_before_banned
+
+    banned = banned_tokens([(7, -100.0), (8, -99.5), (9, -250.0), (10, 5.0)])
+    assert banned == {7, 9}
+    assert drafts_before_banned([1, 2, 9, 7], banned) == 2
+    assert drafts_before_banned([1, 2, 3], banned) == 3 and drafts_before_banned([7], frozenset()) == 1
+
+
+@pytest.mark.parametrize("mode", ["ngram", "sync", "pipelined"])
+def test_drafters_never_send_a_token_the_bias_bans_and_the_output_is_unchanged(model, mode):
+    """The oracle proposes the target's unruled greedy text, which holds the banned token: every block (the
+    drafter's, and the target's own prompt lookup) ends before it, and the output is ruled plain greedy's."""
+    eos = model.config.eos_token_id
+    plain = plain_greedy(model, PROMPT, 40, eos=eos)
+    ban = max(set(plain) - {eos}, key=plain.count)  # the token the drafts would hold most often
+    rules = {"logit_bias": [(ban, -100.0)]}
+    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=5), proposer=OracleForesight(model, cuts=3),
+                             foresight_to_completion=True)
+    sent: list[list[int]] = []
+    send, local = engine.drafter.send_to_target.send, engine.target.local_drafts
+    engine.drafter.send_to_target.send = lambda msg: (sent.append(getattr(msg, "tokens", [])), send(msg))[1]
+    engine.target.local_drafts = lambda state: (sent.append(local(state)), sent[-1])[1]
+    try:
+        got = engine.generate(PROMPT + plain[:6], 40, mode=mode, temperature=0.0, **rules)
+        want = ruled_greedy(model, PROMPT + plain[:6], 40, rules, eos)
+    finally:
+        engine.close()
+    assert got["error"] is None and got["tokens"] == want
+    assert ban not in want and any(sent) and not any(ban in block for block in sent)
