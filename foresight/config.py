@@ -97,6 +97,9 @@ class EngineConfig:
     # (logit rules, temperature, top-k, top-p), as vLLM's logprobs_mode (target_worker/logprobs.py)
     logprobs_mode: str = "raw"
     seed: int = 0
+    # A JSON line per round after a pipelined one: what foresight pre-drafted and what came (drafter_worker/
+    # round_log.py); "" = none
+    round_log: str = ""
 
     def __post_init__(self) -> None:
         self.mode = Mode.parse(self.mode, "mode", ConfigError)
@@ -347,6 +350,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--foresight-budget", default=d.foresight_budget, action=argparse.BooleanOptionalAction,
                    help="pipelined: fit outcomes, passes and refreshes into the measured verify time "
                         "(--no-foresight-budget: always --cache-size, --draft-passes, --draft-refreshes)")
+    g.add_argument("--round-log", default=d.round_log, metavar="FILE",
+                   help="pipelined: append a JSON line per round to FILE with the outcomes foresight pre-drafted, "
+                        "the one that came, and how its job went (to take the hit rate apart)")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len)
     g.add_argument("--batched-steps", default=d.batched_steps, action=argparse.BooleanOptionalAction,
                    help="one target forward verifies every ready request's block (--no-batched-steps: one "

@@ -39,5 +39,9 @@ class ForeseenBlocks:
         self.round, self.entries = -1, {}
         return entries.get((accepted, bonus)) if matches else None
 
+    def outcomes(self, round_: int) -> list[tuple[int, int]]:
+        """The outcomes pre-drafted for `round_`, best first ([] for another round)."""
+        return list(self.entries) if self.round == round_ else []
+
     def __len__(self) -> int:
         return len(self.entries)

@@ -39,6 +39,7 @@ from ..protocol.sockets import MessageSocket
 from ..spec.sampling import banned_tokens, drafts_before_banned
 from .ngram import NgramProposer
 from .proposer import Draft, DraftContext, Proposer
+from .round_log import RoundLog
 from .strategies import auto_strategies, offered_strategies
 from ..control.costs import CostBySize, RunningCost
 from ..control.verify_length import VerifyLengthController
@@ -74,6 +75,17 @@ class BlockAsk:
     proposer: Proposer
     max_drafts: int
     started: float  # when its outcome was taken in: the block's drafting time counts from here
+
+
+class StopWatch:
+    """Foresight's `stop` callback that remembers whether it ever said stop (the job was cut)."""
+
+    def __init__(self, waiting):
+        self.waiting, self.stopped = waiting, False
+
+    def __call__(self) -> bool:
+        self.stopped = self.stopped or bool(self.waiting())
+        return self.stopped
 
 
 def why_no_foresight(cfg: EngineConfig) -> str | None:
@@ -128,6 +140,7 @@ class DrafterWorker:
             p.name: VerifyLengthController(allow_skip=cfg.verify_length == "auto", cost=cost)
             for p in self.strategies.values()}
         self.stopping = False
+        self.round_log = RoundLog(cfg.round_log) if cfg.round_log else None  # --round-log (round_log.py)
         self.heartbeats = Heartbeats(ctx, addrs.workers_to_api, "drafter")
         self.handlers = {
             StartDraft: self.on_start,
@@ -148,7 +161,11 @@ class DrafterWorker:
             | compiled_decoder_info(getattr(scorer, "decoder", None))
             | compiled_adapter_info(getattr(scorer, "adapter", None))}))
         with self.heartbeats:
-            self.loop()
+            try:
+                self.loop()
+            finally:
+                if self.round_log is not None:
+                    self.round_log.close()
 
     def loop(self) -> None:
         while not self.stopping:
@@ -217,6 +234,8 @@ class DrafterWorker:
         ctx = self.contexts.get(msg.req_id)
         if ctx is None:
             return None  # released meanwhile
+        logged = self.round_log is not None and ctx.pipelined and msg.drafts is None  # a pipelined block of ours
+        verified, predicted = len(ctx.last_block), ctx.foreseen.outcomes(msg.round)
         if msg.verify_s > 0 and len(ctx.last_block) and msg.drafts is None:  # a verify of our block, not a plain step
             self.verify.observe(msg.verify_s)
         if msg.drafts is not None:  # the target drafted that block itself (prompt lookup): not ours to learn from
@@ -239,6 +258,9 @@ class DrafterWorker:
         ctx.proposer = proposer.name
         t0 = time.perf_counter()
         entry = ctx.foreseen.take(msg.round, msg.accepted, msg.bonus) if ctx.pipelined else None
+        if logged:
+            self.round_log.outcome(msg.req_id, msg.round, verified, msg.accepted, msg.bonus, predicted, entry,
+                                   msg.verify_s)
         if entry is None:
             return BlockAsk(ctx, proposer, msg.max_drafts, t0)
         aligned = len(entry.confidence) == len(entry.tokens)  # refined rows carry none
@@ -320,24 +342,27 @@ class DrafterWorker:
         ctx = self.live(job)
         if ctx is None:
             return
+        stop, t0 = StopWatch(self.message_waiting), time.perf_counter()
         try:
             max_drafts = self.draft_length(ctx, job.max_drafts, job.round + 1)  # the entries answer round+1
             entries = self.proposer.foresee(ctx, ctx.last_block.tokens, max_drafts, self.verify.seconds,
-                                            self.message_waiting, ctx.last_block.confidence)
+                                            stop, ctx.last_block.confidence)
         except Exception:
             log.exception("request %s: foresight drafting failed; the next round misses the cache", job.req_id)
             return
         ctx.foreseen.fill(job.round + 1, entries)
+        self.log_foresight([job], stop, t0)
 
     def run_foresight_batch(self, jobs: list[ForesightJob]) -> None:
         """`run_foresight` for several live jobs in one `foresee_batch`. A message that arrives meanwhile ends
         the whole batch between stages. If the batch fails, its jobs run one by one, so that a request whose
         part fails misses the cache alone."""
         ctxs = [self.contexts[job.req_id] for job in jobs]
+        stop, t0 = StopWatch(self.message_waiting), time.perf_counter()
         try:
             max_drafts = [self.draft_length(ctx, job.max_drafts, job.round + 1) for ctx, job in zip(ctxs, jobs)]
             got = self.proposer.foresee_batch(ctxs, [ctx.last_block.tokens for ctx in ctxs], max_drafts,
-                                              self.verify.seconds, self.message_waiting,
+                                              self.verify.seconds, stop,
                                               [ctx.last_block.confidence for ctx in ctxs])
         except Exception:
             log.exception("foresight for %d requests (%s) failed; running them one by one", len(jobs),
@@ -347,6 +372,14 @@ class DrafterWorker:
             return
         for ctx, job, entries in zip(ctxs, jobs, got):
             ctx.foreseen.fill(job.round + 1, entries)
+        self.log_foresight(jobs, stop, t0)
+
+    def log_foresight(self, jobs: list[ForesightJob], stop: "StopWatch", t0: float) -> None:
+        """--round-log: how the foresight of `jobs` (run together since `t0`) went."""
+        if self.round_log is not None:
+            for job in jobs:
+                self.round_log.foresight_ran(job.req_id, job.round + 1, stop.stopped,
+                                             time.perf_counter() - t0, self.verify.seconds)
 
     def run_catch_up(self) -> None:
         """Go on with the oldest catch-up until a message waits or it is done; done, answer DrafterIdle (also
@@ -365,6 +398,8 @@ class DrafterWorker:
 
     def on_release(self, msg: ReleaseDraft) -> None:
         self.contexts.pop(msg.req_id, None)  # the request's state goes with its context
+        if self.round_log is not None:
+            self.round_log.release(msg.req_id)
 
     def on_shutdown(self, msg: Shutdown) -> None:
         self.stopping = True

@@ -120,8 +120,8 @@ def test_drafters_never_send_a_token_the_bias_bans_and_the_output_is_unchanged(m
     plain = plain_greedy(model, PROMPT, 40, eos=eos)
     ban = max(set(plain) - {eos}, key=plain.count)  # the token the drafts would hold most often
     rules = {"logit_bias": [(ban, -100.0)]}
-    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=5), proposer=OracleForesight(model, cuts=3),
-                             foresight_to_completion=True)
+    engine = InProcessEngine(model, EngineConfig(drafter="ngram", block_size=5),
+                             proposer=OracleForesight(model, cuts=3), foresight_to_completion=True)
     sent: list[list[int]] = []
     send, local = engine.drafter.send_to_target.send, engine.target.local_drafts
     engine.drafter.send_to_target.send = lambda msg: (sent.append(getattr(msg, "tokens", [])), send(msg))[1]

@@ -164,7 +164,8 @@ def test_control_token_text_in_tools_or_calls_is_refused_where_the_template_writ
     if where == "tools":
         body["tools"] = [{"type": "function", "function": {**WEATHER["function"], "description": forged}}]
     else:
-        called = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": forged})}}
+        called = {"id": "c", "type": "function",
+                  "function": {"name": "get_weather", "arguments": json.dumps({"city": forged})}}
         body.update(tools=[WEATHER], messages=[*CHAT["messages"], {"role": "assistant", "tool_calls": [called]},
                                                 {"role": "tool", "tool_call_id": "c", "content": "ok"}])
     engine = FakeEngine(max_model_len=4096)
