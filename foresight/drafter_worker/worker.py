@@ -235,7 +235,7 @@ class DrafterWorker:
         if ctx is None:
             return None  # released meanwhile
         logged = self.round_log is not None and ctx.pipelined and msg.drafts is None  # a pipelined block of ours
-        verified, predicted = len(ctx.last_block), ctx.foreseen.outcomes(msg.round)
+        verified, predicted = len(ctx.last_block), ctx.foreseen.outcomes(msg.round) if logged else []
         if msg.verify_s > 0 and len(ctx.last_block) and msg.drafts is None:  # a verify of our block, not a plain step
             self.verify.observe(msg.verify_s)
         if msg.drafts is not None:  # the target drafted that block itself (prompt lookup): not ours to learn from
