@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..protocol.messages import SamplingParams
+from ..spec.sampling import banned_tokens
 
 
 @dataclass(slots=True)
@@ -34,6 +35,7 @@ class LogitRules:
     min_tokens: int
     stop_ids: torch.Tensor  # [m] what min_tokens holds back
     in_prompt: torch.Tensor | None = None  # [p] the prompt's distinct tokens (for the repetition penalty)
+    banned: frozenset[int] = frozenset()  # tokens the bias bans: drafts end before them (spec.sampling)
 
     @classmethod
     def of(cls, sampling: SamplingParams, prompt_ids: list[int], stop_ids: list[int]) -> "LogitRules | None":
@@ -47,6 +49,7 @@ class LogitRules:
                    presence=sampling.presence_penalty, frequency=sampling.frequency_penalty,
                    repetition=sampling.repetition_penalty, min_tokens=sampling.min_tokens,
                    stop_ids=torch.tensor(sorted(set(stop_ids)), dtype=torch.long),
+                   banned=banned_tokens(sampling.logit_bias),
                    in_prompt=None if sampling.repetition_penalty == 1 else torch.unique(torch.tensor(prompt_ids,
                                                                                                     dtype=torch.long)))
 

@@ -47,7 +47,7 @@ from ..models.cpu_linear import use_cpu_linears
 from ..models.loading import cache_root, load_target, load_tokenizer, resolve_dtype, resolve_target
 from .packed_step import packed_attention
 from .small_attention import SMALL_QUERY
-from ..spec.sampling import PositionDraws, banned_tokens
+from ..spec.sampling import PositionDraws
 from .drafter_link import DrafterLink
 from .local_lookup import LocalLookup
 from .request_state import RequestState
@@ -405,7 +405,7 @@ class TargetWorker:
         if state.strategy != Strategy.NGRAM:
             return []
         return self.lookup.propose(state.request.prompt_ids + state.output_ids, self.max_drafts(state), state.round,
-                                   banned_tokens(state.request.sampling.logit_bias))
+                                   state.rules.banned if state.rules is not None else frozenset())
 
     def commit(self, state: RequestState, tokens: list[int], accepted: int, stats: RoundStats | None,
                hidden: torch.Tensor | None, prefill: bool = False, logprobs: TokenLogprobs | None = None) -> None:
