@@ -84,6 +84,9 @@ class EngineConfig:
     hybrid_min_match: int = 3  # hybrid: prompt lookup drafts on a match of at least this many tokens
     draft_passes: int | None = None  # Jacobi passes after J0 (trained drafters); None = the checkpoint's default
     draft_refreshes: int | None = None  # pipelined: context refreshes per pre-drafted block at most; None = up to J
+    # pipelined: Jacobi passes per pre-drafted block at most (the paper's J3); the verify-time budget picks how many
+    # run (Eq. 3). Sync's draft_passes is its own: there every pass is exposed, here it hides behind verification.
+    foresight_passes: int = 3
     refinement: Refinement = Refinement.ANCHOR  # pipelined: self-refinement of pre-drafted blocks
     foresight_budget: bool = True  # pipelined: fit B, J, R into the verify time; False: always the caps (ablations)
     max_model_len: int | None = None  # None = the target's own context length
@@ -131,6 +134,8 @@ class EngineConfig:
             raise ConfigError("draft_passes must be >= 0")
         if self.draft_refreshes is not None and self.draft_refreshes < 0:
             raise ConfigError("draft_refreshes must be >= 0")
+        if self.foresight_passes < 0:
+            raise ConfigError("foresight_passes must be >= 0")
         self.refinement = Refinement.parse(self.refinement, "refinement", ConfigError)
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError("max_num_batched_tokens must be >= block_size (one verify block per step)")
@@ -344,6 +349,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-passes", type=int, default=d.draft_passes, help="trained drafter: Jacobi passes after J0")
     g.add_argument("--draft-refreshes", type=int, default=d.draft_refreshes,
                    help="pipelined: context refreshes per pre-drafted block at most (default: one before each pass)")
+    g.add_argument("--foresight-passes", type=int, default=d.foresight_passes,
+                   help="pipelined: Jacobi passes per pre-drafted block at most; the verify time decides how many "
+                        "run (0: the initial draft only)")
     g.add_argument("--refinement", default=d.refinement, choices=Refinement.values(),
                    help="pipelined: self-refinement of pre-drafted blocks (none: Jacobi passes only; "
                         "refresh: + context refresh; anchor: + anchor replacement)")

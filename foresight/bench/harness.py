@@ -296,6 +296,7 @@ async def bench(args: argparse.Namespace, cfg: EngineConfig) -> dict:
                      "nucleus_threshold": cfg.nucleus_threshold, "modes": [r.mode for r in mode_runs],
                      "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max, "refinement": cfg.refinement,
                      "draft_passes": cfg.draft_passes, "draft_refreshes": cfg.draft_refreshes,
+                     "foresight_passes": cfg.foresight_passes,
                      "foresight_budget": cfg.foresight_budget, "verify_length": cfg.verify_length,
                      "cache_size": cfg.cache_size, "decoder_layers": decoder_layers,
                      "calibration": info.get("calibration"), "seed": args.seed},

@@ -261,8 +261,9 @@ def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineCon
         use_cpu_linears(part, cfg.cpu_linear, cfg.drafter_device, name)
     scorer = AdapterDecoderScorer(model, adapter, decoder)
     drafter = ForesightDrafter(model, scorer, passes=cfg.draft_passes, cache_size=cfg.cache_size,
-                               refreshes=cfg.draft_refreshes, refinement=cfg.refinement,
-                               use_budget=cfg.foresight_budget, calibration=load_calibration(cfg, adapter_path))
+                               foresight_passes=cfg.foresight_passes, refreshes=cfg.draft_refreshes,
+                               refinement=cfg.refinement, use_budget=cfg.foresight_budget,
+                               calibration=load_calibration(cfg, adapter_path))
     compiled_decoder_for(decoder, scorer.decoder_keep, cfg.drafter_compile, cfg.drafter_device,
                          cache_root() / "compiled", cfg.drafter_threads)
     compiled_adapter_for(scorer.adapter, cfg.drafter_compile, cfg.drafter_device, cache_root() / "compiled",
@@ -276,7 +277,8 @@ def draft_only_from_config(drafter_path: Path, cfg: EngineConfig) -> ForesightDr
     model = JetSpecProposer.from_config(drafter_path, cfg).model
     calibration = None if cfg.calibration in ("auto", "none") else load_calibration(cfg, drafter_path)
     return ForesightDrafter(model, DraftModelScorer(model), passes=cfg.draft_passes, cache_size=cfg.cache_size,
-                            use_budget=cfg.foresight_budget, calibration=calibration)
+                            foresight_passes=cfg.foresight_passes, use_budget=cfg.foresight_budget,
+                            calibration=calibration)
 
 
 def load_calibration(cfg: EngineConfig, adapter_path: Path) -> Calibration | None:

@@ -39,7 +39,7 @@ from .speculation_cache import CacheEntry
 if TYPE_CHECKING:
     from .outcome_scorer import ForesightState
 
-__all__ = ["BatchedForesight", "ForesightStats"]
+__all__ = ["BatchedForesight", "ForesightStats", "passes_run"]
 
 
 @dataclass(slots=True)
@@ -141,7 +141,7 @@ class BatchedForesight:
         plain = [p.plan.passes - p.plan.refreshes for p in parts]
         t0 = time.perf_counter()
         ids, probs = self.model.draft_after_prefix(contexts, inputs, fixed, max(plain))
-        self.costs.passes.observe(len(contexts), (time.perf_counter() - t0) / (1 + max(plain)))
+        self.costs.passes.observe(len(contexts), (time.perf_counter() - t0) / passes_run(ids))
         at = (fixed - 1)[:, None] + torch.arange(width - max(fixed) + 1)  # [rows, max_drafts]: each row's drafts
         refiners, start = [], 0
         for p, j in zip(parts, plain):
@@ -154,6 +154,12 @@ class BatchedForesight:
         for p, refiner in zip(parts, refiners):
             refiner.run(p.plan.refreshes, self.costs, stop)
         return refiners
+
+
+def passes_run(outs: list[torch.Tensor]) -> int:
+    """How many passes a Jacobi draft ran (J0 counts): the model repeats the last pass's tensor for the passes
+    an early exit skipped (the block reached its fixed point), so the time divides by the passes that ran."""
+    return 1 + sum(a is not b for a, b in zip(outs, outs[1:]))
 
 
 @dataclass(slots=True)

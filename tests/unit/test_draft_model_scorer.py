@@ -11,6 +11,7 @@ import torch
 from foresight.config import ConfigError, EngineConfig
 from foresight.drafter_worker.draft_model_scorer import DraftModelScorer
 from foresight.drafter_worker.foresight import ForesightDrafter
+from foresight.drafter_worker.foresight_batch import passes_run
 from foresight.drafter_worker.outcomes import outcome_scores, select_outcomes
 from foresight.drafter_worker.proposer import DraftContext
 from support.inprocess import InProcessEngine
@@ -71,6 +72,21 @@ def test_draft_after_prefix_keeps_the_prefix_and_reaches_the_fixed_point(target)
     for b, p in enumerate(prefixes):
         f = len(p)
         assert ids[-1][b, f - 1:f - 1 + m].tolist() == fixed_point(model, context, p, m), p
+
+
+def test_passes_run_counts_the_passes_before_the_block_settled(target):
+    """A pass's cost is the draft's time over the passes it ran: an early exit at the fixed point skips the rest."""
+    drafter, ctx = drafter_at(target, PROMPT)
+    model, context = drafter.model, drafter.state(ctx).draft
+    noise = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
+    inputs = torch.cat([torch.tensor([[5], [9]]), noise], 1)  # [2, 6]: anchor, then J0 noise
+    fixed = torch.ones(2, dtype=torch.long)
+    ids, _ = model.draft_after_prefix([context] * 2, inputs, fixed, passes=12)
+    n = passes_run(ids)
+    assert len(ids) == 13 and 1 < n < 13  # a 6-token block settles within 7 passes
+    again, _ = model.draft_after_prefix([context] * 2, inputs, fixed, passes=n - 1)
+    assert passes_run(again) == n and torch.equal(again[-1], ids[-1])
+    assert passes_run(model.draft_after_prefix([context] * 2, inputs, fixed, passes=n - 2)[0]) == n - 1
 
 
 def test_depth_zero_scores_are_the_draft_models_outcome_law(target):

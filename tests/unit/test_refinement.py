@@ -444,3 +444,12 @@ def test_foresight_budget_flag():
     add_engine_args(parser)
     assert engine_from_args(parser.parse_args([])).foresight_budget is True
     assert engine_from_args(parser.parse_args(["--no-foresight-budget"])).foresight_budget is False
+
+
+def test_foresight_passes_flag_caps_the_pipelined_passes_apart_from_sync():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_from_args(parser.parse_args([])).foresight_passes == 3  # the budget picks how many run
+    assert engine_from_args(parser.parse_args(["--foresight-passes", "1"])).foresight_passes == 1
+    with pytest.raises(ConfigError, match="foresight_passes"):
+        engine_from_args(parser.parse_args(["--foresight-passes", "-1"]))
