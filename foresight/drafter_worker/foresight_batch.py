@@ -47,8 +47,8 @@ class ForesightStats:
     """The last foresight call, for benchmarks and tests."""
 
     outcomes: int = 0  # B drafted
-    predict_s: float = 0.0  # adapter + decoder + scoring
-    draft_s: float = 0.0  # the batched draft (J0 + J passes) and its refreshes
+    predict_s: float | None = None  # adapter + decoder + scoring (None: the call ended before)
+    draft_s: float | None = None  # the batched draft (J0 + J passes) and its refreshes (None: not reached)
     total_s: float = 0.0
     plan: Plan | None = None  # the round's plan (B, J, R caps); rows may spend less (a batch: its first request's)
     mode: str = ""  # the refinement mode used (a batch: its first request's)
@@ -100,6 +100,7 @@ class BatchedForesight:
         predicted = self.predict_blocks([p.state for p in parts], [p.ctx for p in parts], [p.block for p in parts])
         t1 = time.perf_counter()
         self.costs.predict.observe(t1 - t0)  # the whole batch's: it runs before any request drafts
+        self.stats = ForesightStats(predict_s=t1 - t0, requests=len(parts))  # completed if drafting ends
         for p, (pred, logits, dec_states) in zip(parts, predicted):
             # A fixed temperature given at construction wins; else the request's own (from StartDraft).
             temperature = self.temperature if self.temperature is not None else p.ctx.temperature

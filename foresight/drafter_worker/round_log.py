@@ -3,8 +3,8 @@ round's outcome arrives. It says what foresight pre-drafted for that outcome and
 rate can be taken apart (and set beside the replayed one, `foresight eval-foresight`):
 
     {"req": "bench-pipelined-3", "round": 7, "block": 7, "realised": [2, 4015], "hit": true, "rank": 0,
-     "predicted": [[2, 4015], [0, 13], ...], "job": "done", "foresight_ms": 21.3, "budget_ms": 40.2,
-     "verify_ms": 44.8, "passes": 0, "refreshes": 0}
+     "predicted": [[2, 4015], [0, 13], ...], "job": "done", "foresight_ms": 21.3, "predict_ms": 12.9,
+     "draft_ms": 8.1, "budget_ms": 40.2, "verify_ms": 44.8, "passes": 0, "refreshes": 0}
 
 - `block`: drafts in the block that was verified; `realised`: its outcome (drafts accepted, bonus token).
 - `predicted`: the outcomes pre-drafted for it, best first (B = its length); `rank`: the realised one's place there
@@ -12,7 +12,9 @@ rate can be taken apart (and set beside the replayed one, `foresight eval-foresi
 - `job`: `done` (foresight finished its plan), `cut` (a message from the target ended it between stages: the
   outcome, or another request's), `none` (no foresight ran for this round: the outcome came before the drafter
   reached the job, or the job failed).
-- `foresight_ms`: the job's time; `budget_ms`: the verify time it was planned against; `verify_ms`: the target's
+- `foresight_ms`: the job's time, of which `predict_ms` the scores (absorbing the round's states, the adapter, the
+  decoder) and `draft_ms` drafting the picked outcomes with their passes and refreshes (null: the job ended before
+  that stage; a batch of jobs: the batch's); `budget_ms`: the verify time it was planned against; `verify_ms`: the target's
   forward for this block; `passes` / `refreshes`: of the served entry.
 """
 from __future__ import annotations
@@ -30,6 +32,8 @@ class ForesightRun:
     cut: bool
     seconds: float
     budget_s: float
+    predict_s: float | None  # the stages' times (None: the job ended before the stage)
+    draft_s: float | None
 
 
 @dataclass
@@ -42,9 +46,10 @@ class RoundLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = self.path.open("a", buffering=1)  # line-buffered: a killed worker loses at most a line
 
-    def foresight_ran(self, req_id: str, round_: int, cut: bool, seconds: float, budget_s: float) -> None:
+    def foresight_ran(self, req_id: str, round_: int, cut: bool, seconds: float, budget_s: float,
+                      predict_s: float | None = None, draft_s: float | None = None) -> None:
         """Foresight for the outcome of `round_` ran (`cut`: a waiting message ended it)."""
-        self.runs[req_id] = ForesightRun(round_, cut, seconds, budget_s)
+        self.runs[req_id] = ForesightRun(round_, cut, seconds, budget_s, predict_s, draft_s)
 
     def outcome(self, req_id: str, round_: int, block: int, accepted: int, bonus: int,
                 predicted: list[tuple[int, int]], entry, verify_s: float) -> None:
@@ -59,6 +64,8 @@ class RoundLog:
             "predicted": [list(p) for p in predicted],
             "job": ("cut" if run.cut else "done") if ran else "none",
             "foresight_ms": round(1e3 * run.seconds, 2) if ran else None,
+            "predict_ms": _ms(run.predict_s) if ran else None,
+            "draft_ms": _ms(run.draft_s) if ran else None,
             "budget_ms": round(1e3 * run.budget_s, 2) if ran else None,
             "verify_ms": round(1e3 * verify_s, 2),
             "passes": entry.passes if entry is not None else None,
@@ -69,3 +76,7 @@ class RoundLog:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1e3 * seconds, 2)

@@ -342,7 +342,7 @@ class DrafterWorker:
         ctx = self.live(job)
         if ctx is None:
             return
-        stop, t0 = StopWatch(self.message_waiting), time.perf_counter()
+        stop, t0, before = StopWatch(self.message_waiting), time.perf_counter(), getattr(self.proposer, "stats", None)
         try:
             max_drafts = self.draft_length(ctx, job.max_drafts, job.round + 1)  # the entries answer round+1
             entries = self.proposer.foresee(ctx, ctx.last_block.tokens, max_drafts, self.verify.seconds,
@@ -351,14 +351,14 @@ class DrafterWorker:
             log.exception("request %s: foresight drafting failed; the next round misses the cache", job.req_id)
             return
         ctx.foreseen.fill(job.round + 1, entries)
-        self.log_foresight([job], stop, t0)
+        self.log_foresight([job], stop, t0, before)
 
     def run_foresight_batch(self, jobs: list[ForesightJob]) -> None:
         """`run_foresight` for several live jobs in one `foresee_batch`. A message that arrives meanwhile ends
         the whole batch between stages. If the batch fails, its jobs run one by one, so that a request whose
         part fails misses the cache alone."""
         ctxs = [self.contexts[job.req_id] for job in jobs]
-        stop, t0 = StopWatch(self.message_waiting), time.perf_counter()
+        stop, t0, before = StopWatch(self.message_waiting), time.perf_counter(), getattr(self.proposer, "stats", None)
         try:
             max_drafts = [self.draft_length(ctx, job.max_drafts, job.round + 1) for ctx, job in zip(ctxs, jobs)]
             got = self.proposer.foresee_batch(ctxs, [ctx.last_block.tokens for ctx in ctxs], max_drafts,
@@ -372,14 +372,17 @@ class DrafterWorker:
             return
         for ctx, job, entries in zip(ctxs, jobs, got):
             ctx.foreseen.fill(job.round + 1, entries)
-        self.log_foresight(jobs, stop, t0)
+        self.log_foresight(jobs, stop, t0, before)
 
-    def log_foresight(self, jobs: list[ForesightJob], stop: "StopWatch", t0: float) -> None:
-        """--round-log: how the foresight of `jobs` (run together since `t0`) went."""
+    def log_foresight(self, jobs: list[ForesightJob], stop: "StopWatch", t0: float, before) -> None:
+        """--round-log: how the foresight of `jobs` (run together since `t0`) went; `before`: the proposer's
+        stats before it (the same object: the jobs ended before their scores were done)."""
         if self.round_log is not None:
+            stats = getattr(self.proposer, "stats", None)
+            stats = stats if stats is not before else None
             for job in jobs:
-                self.round_log.foresight_ran(job.req_id, job.round + 1, stop.stopped,
-                                             time.perf_counter() - t0, self.verify.seconds)
+                self.round_log.foresight_ran(job.req_id, job.round + 1, stop.stopped, time.perf_counter() - t0,
+                                             self.verify.seconds, stats and stats.predict_s, stats and stats.draft_s)
 
     def run_catch_up(self) -> None:
         """Go on with the oldest catch-up until a message waits or it is done; done, answer DrafterIdle (also

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 
 import pytest
 import torch
@@ -342,11 +343,12 @@ def test_the_drafter_worker_sees_a_waiting_message(target, sequences):
 
 
 @pytest.mark.parametrize("mode", Refinement.values())
-def test_pipelined_greedy_is_lossless_with_each_mode(target, sequences, mode):
+def test_pipelined_greedy_is_lossless_with_each_mode(target, sequences, mode, tmp_path):
     drafter = make_drafter(target, sequences, foresight_passes=2, cache_size=2, temperature=0.0,
                            refinement=mode, use_budget=False)
-    engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1), proposer=drafter,
-                             foresight_to_completion=True)
+    log = tmp_path / "rounds.jsonl"
+    engine = InProcessEngine(target, EngineConfig(drafter="ngram", block_size=GAMMA + 1, round_log=str(log)),
+                             proposer=drafter, foresight_to_completion=True)
     try:
         rounds = []
         for prompt, seq in zip(PROMPTS, sequences):
@@ -363,6 +365,9 @@ def test_pipelined_greedy_is_lossless_with_each_mode(target, sequences, mode):
     assert all(r.passes <= 2 and r.refreshes <= 2 for r in hits)
     if mode == "anchor":  # the perfect decoder's tokens are the target's: accepted (the random drafts never are)
         assert sum(r.accepted for r in hits) > 0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]  # the round log splits each job's time
+    done = [line for line in lines if line["job"] == "done" and line["predicted"]]  # [] : nothing was asked for
+    assert done and all(0 < line["predict_ms"] and 0 < line["draft_ms"] <= line["foresight_ms"] for line in done)
 
 
 def test_the_request_mode_travels_to_the_drafter(target, sequences):
