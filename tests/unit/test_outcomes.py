@@ -213,3 +213,33 @@ def test_gamma_zero():
     scores = outcome_scores(dec, [])
     torch.testing.assert_close(scores.dense(), dec)
     assert select_outcomes(scores, 1)[0].a == int(dec[0].argmax())
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_ranking_over_the_candidate_columns_picks_what_the_whole_vocabulary_picks(case):
+    """`rank_outcomes` scores only `candidate_columns` (~300 of the vocabulary): the outcomes, their order and scores
+    must be the whole vocabulary's, with Eq. 6 or calibrated scores, the greedy path, the nucleus gate, top-k zeros
+    and the ties bf16 logits make (every token tied at a row's cut is a column)."""
+    from foresight.drafter_worker.calibration import Calibration
+    from foresight.drafter_worker.foresight import rank_outcomes
+    from foresight.spec.sampling import target_probs
+
+    g = torch.Generator().manual_seed(case)
+    gamma, vocab = int(torch.randint(0, 8, (1,), generator=g)), 3000
+    logits = torch.randn(gamma + 1, vocab, generator=g) * 4
+    if case % 2:
+        logits = logits.bfloat16().float()  # coarse values: many ties
+    if case % 5 == 0:
+        logits[:, 40:80] = logits.max() + 1.0  # 40 tokens tied at the top of every row: the whole vocabulary
+    probs = target_probs(logits, 1.0, 50 if case % 3 == 0 else 0, 1.0)  # [gamma+1, vocab]
+    block = [int(logits[i].argmax()) if case % 4 else int(torch.randint(0, vocab, (1,), generator=g))
+             for i in range(gamma)]
+    calibration = Calibration((0.5, 1.0, 0.3, -0.2, -0.1, 0.2), 0.8) if case % 2 == 0 else None
+    sure = torch.rand(gamma, generator=g) < 0.3 if case % 7 == 0 else None
+    greedy = logits.argmax(-1).tolist() if case % 3 == 1 else None
+    kw = dict(calibration=calibration, confidence=[0.4] * gamma, sure=sure, greedy_top=greedy)
+    for B in (1, 4, 16):
+        got, whole = rank_outcomes(probs, block, B, **kw), rank_outcomes(probs, block, B, whole_vocab=True, **kw)
+        assert [(o.k, o.a) for o in got] == [(o.k, o.a) for o in whole], B
+        # a calibrated softmax sums over fewer columns: the same scores up to float rounding
+        assert [o.score for o in got] == pytest.approx([o.score for o in whole], rel=1e-5, abs=1e-12)
