@@ -1,13 +1,14 @@
 """Take a `--round-log FILE` apart: the served hit rate, and for the misses whether timing (the foresight job was
 cut or never ran) or prediction (it finished and the realised outcome was not among those it pre-drafted) lost them.
 
-    .venv/bin/python scripts/round_log_summary.py ROUNDLOG.jsonl [--by-run]
+    .venv/bin/python scripts/round_log_summary.py ROUNDLOG.jsonl[.gz] [--by-run]
 
 One table per run (the request id names it: bench-<run>-<i>) with `--by-run`, else one for the whole file.
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from collections import defaultdict
@@ -61,7 +62,8 @@ def main() -> None:
     ap.add_argument("log", type=Path)
     ap.add_argument("--by-run", action="store_true", help="one summary per bench run (request id bench-<run>-<i>)")
     args = ap.parse_args()
-    lines = [json.loads(line) for line in args.log.read_text().splitlines() if line.strip()]
+    text = gzip.decompress(args.log.read_bytes()).decode() if args.log.suffix == ".gz" else args.log.read_text()
+    lines = [json.loads(line) for line in text.splitlines() if line.strip()]
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in lines:
         groups[run_name(r["req"]) if args.by_run else "all"].append(r)

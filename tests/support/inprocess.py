@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import zmq
 
@@ -67,9 +68,14 @@ class InProcessEngine:
         results = {r: {"tokens": [], "rounds": [], "reason": None, "error": None, "logprobs": [],
                        "prompt_logprobs": None} for r in req_ids}
         pending = set(req_ids)
+        deadline = time.monotonic() + timeout_ms / 1000  # moved on by every output: heartbeats are no progress
         while pending:
-            msg = self.recv_from_workers.recv(timeout_ms=timeout_ms)
-            assert msg is not None, f"no output for {pending}"
+            dead = [name for name, t in zip(("drafter", "target"), self.threads) if not t.is_alive()]
+            assert not dead, f"{dead} worker thread died (traceback above); {pending} unfinished"
+            assert time.monotonic() < deadline, f"no output for {pending} in {timeout_ms} ms"
+            msg = self.recv_from_workers.recv(timeout_ms=500)
+            if isinstance(msg, (TokenOutput, RequestFailed)):
+                deadline = time.monotonic() + timeout_ms / 1000
             if isinstance(msg, TokenOutput) and msg.req_id in results:
                 res = results[msg.req_id]
                 res["tokens"] += msg.token_ids
