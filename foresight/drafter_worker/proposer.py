@@ -65,6 +65,7 @@ class DraftContext:
     proposer: str = ""  # name of the proposer that drafted `last_block` (its verify-length statistics)
     temperature: float = 1.0  # the request's sampling temperature
     sampling: SamplingParams | None = None  # the request's top-k, top-p and verification rule (foresight scores)
+    banned: frozenset[int] = frozenset()  # tokens its logit bias bans: every block sent ends before them
     refinement: Refinement | None = None  # the request's self-refinement (StartDraft); None = the drafter's
     # Hybrid targets: the newest committed linear-attention state the target sent (`layout.state_layers`)
     linear_states: LinearStates | None = None

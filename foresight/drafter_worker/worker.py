@@ -203,7 +203,8 @@ class DrafterWorker:
         ctx = self.contexts[msg.req_id] = DraftContext(
             req_id=msg.req_id, tokens=list(msg.prompt_ids), seed=msg.seed, hidden=hidden,
             temperature=msg.temperature, refinement=msg.refinement, proposer=self.proposer.name,
-            sampling=msg.sampling, linear_states=msg.linear_states)
+            sampling=msg.sampling, linear_states=msg.linear_states,
+            banned=banned_tokens(msg.sampling.logit_bias) if msg.sampling is not None else frozenset())
         self.add_request(ctx)
 
     def add_request(self, ctx: DraftContext) -> None:
@@ -287,8 +288,8 @@ class DrafterWorker:
         """Send the prefix of `draft` worth verifying (`entry`: the cache entry it came from, on a hit) and,
         in a pipelined round, queue foresight for it."""
         ctx = ask.ctx
-        if ctx.sampling is not None and ctx.sampling.logit_bias:  # drafts after a banned token are never verified
-            draft = draft.prefix(drafts_before_banned(draft.tokens, banned_tokens(ctx.sampling.logit_bias)))
+        if ctx.banned:  # drafts after a banned token are never verified
+            draft = draft.prefix(drafts_before_banned(draft.tokens, ctx.banned))
         ctx.last_block = draft = self.verify_prefix(ctx, draft, time.perf_counter() - ask.started)
         self.send_to_target.send(DraftBlock(
             req_id=ctx.req_id, round=ctx.round, tokens=draft.tokens,
