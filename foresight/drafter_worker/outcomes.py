@@ -108,7 +108,8 @@ def candidate_columns(probs: torch.Tensor, draft, n_top: int) -> torch.Tensor | 
     tied with them), and the drafts. probs [gamma+1, vocab] -> [U]. Scoring and selecting over these columns alone
     (`select_outcomes` with top_per_row <= n_top, `calibrated_scores`) picks what the whole vocabulary picks, ties by
     smaller id included (the columns keep the ids' order). None: n_top + 1 > vocab (score every column).
-    Why: dense scores cost ~15 ms a round over a 49k vocabulary on one CPU core, a third of foresight's time."""
+    Why: dense scores cost in proportion to the vocabulary, and they run inside the verify-time budget
+    (docs/journal/2026-12-07-pipeline-round-log.md)."""
     if n_top + 1 > probs.shape[-1]:
         return None
     last = torch.topk(probs, n_top + 1, dim=-1).values[:, -1:]  # [gamma+1, 1] each row's (n_top+1)-th largest
