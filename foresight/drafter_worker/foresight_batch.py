@@ -48,7 +48,7 @@ class ForesightStats:
 
     outcomes: int = 0  # B drafted
     predict_s: float | None = None  # adapter + decoder + scoring (None: the call ended before)
-    draft_s: float | None = None  # the batched draft (J0 + J passes) and its refreshes (None: not reached)
+    draft_s: float | None = None  # selecting the outcomes, their draft (J0 + J) and refreshes (None: not reached)
     total_s: float = 0.0
     plan: Plan | None = None  # the round's plan (B, J, R caps); rows may spend less (a batch: its first request's)
     mode: str = ""  # the refinement mode used (a batch: its first request's)

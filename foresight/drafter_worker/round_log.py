@@ -13,9 +13,9 @@ rate can be taken apart (and set beside the replayed one, `foresight eval-foresi
   outcome, or another request's), `none` (no foresight ran for this round: the outcome came before the drafter
   reached the job, or the job failed).
 - `foresight_ms`: the job's time, of which `predict_ms` the scores (absorbing the round's states, the adapter, the
-  decoder) and `draft_ms` drafting the picked outcomes with their passes and refreshes (null: the job ended before
-  that stage; a batch of jobs: the batch's); `budget_ms`: the verify time it was planned against; `verify_ms`: the target's
-  forward for this block; `passes` / `refreshes`: of the served entry.
+  decoder) and `draft_ms` selecting the outcomes and drafting them with their passes and refreshes (null: the job
+  ended before that stage; a batch of jobs: the batch's); `budget_ms`: the verify time it was planned against;
+  `verify_ms`: the target's forward for this block; `passes` / `refreshes`: of the served entry.
 """
 from __future__ import annotations
 
