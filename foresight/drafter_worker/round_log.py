@@ -63,11 +63,11 @@ class RoundLog:
             "rank": predicted.index(realised) if realised in predicted else None,
             "predicted": [list(p) for p in predicted],
             "job": ("cut" if run.cut else "done") if ran else "none",
-            "foresight_ms": round(1e3 * run.seconds, 2) if ran else None,
+            "foresight_ms": _ms(run.seconds) if ran else None,
             "predict_ms": _ms(run.predict_s) if ran else None,
             "draft_ms": _ms(run.draft_s) if ran else None,
-            "budget_ms": round(1e3 * run.budget_s, 2) if ran else None,
-            "verify_ms": round(1e3 * verify_s, 2),
+            "budget_ms": _ms(run.budget_s) if ran else None,
+            "verify_ms": _ms(verify_s),
             "passes": entry.passes if entry is not None else None,
             "refreshes": entry.refreshes if entry is not None else None}) + "\n")
 

@@ -343,7 +343,7 @@ class DrafterWorker:
         ctx = self.live(job)
         if ctx is None:
             return
-        stop, t0, before = StopWatch(self.message_waiting), time.perf_counter(), getattr(self.proposer, "stats", None)
+        stop, t0, before = StopWatch(self.message_waiting), time.perf_counter(), self.foresight_stats()
         try:
             max_drafts = self.draft_length(ctx, job.max_drafts, job.round + 1)  # the entries answer round+1
             entries = self.proposer.foresee(ctx, ctx.last_block.tokens, max_drafts, self.verify.seconds,
@@ -359,7 +359,7 @@ class DrafterWorker:
         the whole batch between stages. If the batch fails, its jobs run one by one, so that a request whose
         part fails misses the cache alone."""
         ctxs = [self.contexts[job.req_id] for job in jobs]
-        stop, t0, before = StopWatch(self.message_waiting), time.perf_counter(), getattr(self.proposer, "stats", None)
+        stop, t0, before = StopWatch(self.message_waiting), time.perf_counter(), self.foresight_stats()
         try:
             max_drafts = [self.draft_length(ctx, job.max_drafts, job.round + 1) for ctx, job in zip(ctxs, jobs)]
             got = self.proposer.foresee_batch(ctxs, [ctx.last_block.tokens for ctx in ctxs], max_drafts,
@@ -379,11 +379,15 @@ class DrafterWorker:
         """--round-log: how the foresight of `jobs` (run together since `t0`) went; `before`: the proposer's
         stats before it (the same object: the jobs ended before their scores were done)."""
         if self.round_log is not None:
-            stats = getattr(self.proposer, "stats", None)
+            stats = self.foresight_stats()
             stats = stats if stats is not before else None
             for job in jobs:
                 self.round_log.foresight_ran(job.req_id, job.round + 1, stop.stopped, time.perf_counter() - t0,
                                              self.verify.seconds, stats and stats.predict_s, stats and stats.draft_s)
+
+    def foresight_stats(self):
+        """The proposer's `ForesightStats` of its latest foresight call (a new object each call that scored)."""
+        return getattr(self.proposer, "stats", None)
 
     def run_catch_up(self) -> None:
         """Go on with the oldest catch-up until a message waits or it is done; done, answer DrafterIdle (also
