@@ -69,6 +69,10 @@ class EngineConfig:
     drafter_compile: str = "auto"
     target_device: str = "cpu"
     drafter_device: str = "cpu"
+    # The target split over this many devices by tensor parallelism (transformers' plan for its architecture):
+    # on a GPU, target_device's index and the next ones; on a CPU, that many processes
+    # (target_worker/tensor_parallel.py). Its forwards then run eager, on dense weights and plain linears.
+    tensor_parallel_size: int = 1
     target_threads: int = 1
     drafter_threads: int = 1
     # CPU: a target step also runs on the drafter's threads while the drafter has nothing to do (no block
@@ -124,6 +128,7 @@ class EngineConfig:
         if self.target_threads < 1 or self.drafter_threads < 1:
             raise ConfigError("thread counts must be >= 1")
         self._check_cores()
+        self._check_tensor_parallel()
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError("need 1 <= ngram_min <= ngram_max")
         if not 1 <= self.hybrid_min_match <= self.ngram_max:
@@ -151,6 +156,32 @@ class EngineConfig:
             if cores and threads > len(cores):
                 raise ConfigError(f"{owner}_threads: {threads} threads on {len(cores)} core(s) "
                                   f"({owner}_cores {format_cores(cores)}); use at most one thread per core")
+
+    def _check_tensor_parallel(self) -> None:
+        """A split target runs eager on dense, plain linears; its devices exist and leave the drafter's alone."""
+        size = self.tensor_parallel_size
+        if size < 1:
+            raise ConfigError("tensor_parallel_size must be >= 1")
+        if size == 1:
+            return
+        for name, value, refused in (("compile", self.compile, ("on",)),
+                                     ("quantization", self.quantization, ("int4", "int8")),
+                                     ("cpu_linear", self.cpu_linear, ("prepacked",))):
+            if value in refused:
+                raise ConfigError(f"{name} {value!r} does not apply to a tensor-parallel target (its forwards run "
+                                  f"eager on dense weights and plain linear layers): leave it at 'auto'")
+        devices = self.target_devices()
+        if self.drafter_device in devices and self.drafter_device != "cpu":
+            raise ConfigError(f"drafter_device {self.drafter_device} is one of the tensor-parallel target's devices "
+                              f"({', '.join(devices)}): give the drafter a device of its own")
+
+    def target_devices(self) -> list[str]:
+        """The devices the target's ranks run on: target_device and, on a GPU, the next indices after it."""
+        device, _, index = self.target_device.partition(":")
+        if device == "cpu" or self.tensor_parallel_size == 1:
+            return [self.target_device] * self.tensor_parallel_size
+        first = int(index or 0)
+        return [f"{device}:{first + rank}" for rank in range(self.tensor_parallel_size)]
 
     def cores(self, owner: str) -> tuple[int, ...]:
         """The cores `owner` ("target" or "drafter") is pinned to (empty: not pinned)."""
@@ -332,6 +363,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "then loaded from the cache folder): on, off, auto (on a CPU)")
     g.add_argument("--target-device", default=d.target_device)
     g.add_argument("--drafter-device", default=d.drafter_device)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   help="split the target over this many devices (transformers' tensor-parallel plan for its "
+                        "architecture): on a GPU --target-device and the next ones, on a CPU that many processes; "
+                        "its forwards then run eager on dense weights")
     g.add_argument("--target-threads", type=int, default=d.target_threads)
     g.add_argument("--drafter-threads", type=int, default=d.drafter_threads)
     g.add_argument("--borrow-drafter-threads", default=d.borrow_drafter_threads,

@@ -157,8 +157,16 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_target(path: Path, dtype: torch.dtype, device: str):
+def load_target(path: Path, dtype: torch.dtype, device: str, tensor_parallel_size: int = 1):
+    """The target in `dtype` on `device`; with `tensor_parallel_size` > 1, this rank's shard of it under
+    transformers' tensor-parallel plan for its architecture (in a process group already joined, on the device
+    this rank bound: target_worker/tensor_parallel.py)."""
     from transformers import AutoModelForCausalLM
 
+    if tensor_parallel_size > 1:
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        split = DistributedConfig(tp_size=tensor_parallel_size)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=split).eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval()

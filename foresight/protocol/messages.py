@@ -21,7 +21,7 @@ import torch
 
 from .kinds import Mode, Refinement, Strategy
 
-PROTOCOL_VERSION = 9  # raised whenever a message kind or field changes: peers of another version refuse
+PROTOCOL_VERSION = 10  # raised whenever a message kind or field changes: peers of another version refuse
 
 MESSAGE_TYPES: dict[str, type] = {}
 
@@ -370,3 +370,55 @@ class DrafterIdle:
     KIND: ClassVar[str] = "drafter_idle"
     req_id: str
     round: int  # the Outcome's round
+
+
+# ---------------------------------------------------------------- a tensor-parallel target: rank 0 -> the other ranks
+# Each names one call of the target's runner that runs or changes a cache; the other ranks repeat it on their shards
+# (target_worker/tensor_parallel.py). Caches are named by the number rank 0 gave them.
+
+
+@message
+class ShardCacheNew:
+    KIND: ClassVar[str] = "shard_cache_new"
+    cache: int
+
+
+@message
+class ShardCacheCopy:
+    """`cache` starts as a copy of `source` (a request that takes another's prefill of the same prompt)."""
+
+    KIND: ClassVar[str] = "shard_cache_copy"
+    source: int
+    cache: int
+
+
+@message
+class ShardCacheFree:
+    KIND: ClassVar[str] = "shard_cache_free"
+    caches: list[int]
+
+
+@message
+class ShardForward:
+    KIND: ClassVar[str] = "shard_forward"
+    cache: int
+    tokens: list[int]
+    keep_logits: int | None = None
+    rollback: bool = False
+    argmax_only: bool = False
+
+
+@message
+class ShardVerifyBatch:
+    KIND: ClassVar[str] = "shard_verify_batch"
+    caches: list[int]
+    blocks: list[list[int]]
+    chunk_cache: int | None = None  # a prompt chunk sharing the forward: its cache and its tokens
+    chunk_tokens: list[int] = field(default_factory=list)
+
+
+@message
+class ShardRollback:
+    KIND: ClassVar[str] = "shard_rollback"
+    cache: int
+    rejected: int

@@ -36,7 +36,7 @@ class Fp32LogitHead:
         head = model.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise ValueError("Fp32LogitHead: LM heads with a bias are not supported")
-        self.weight_low = head.weight.detach()  # [vocab, hidden] in the serving dtype
+        self.weight_low = whole(head.weight.detach())  # [vocab, hidden] in the serving dtype
         self.weight = self.weight_low.float()  # [vocab, hidden]
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         # Measured on SmolLM2 in bf16: |model logit - fp32 logit| <= 0.005 x |row max| over the top-50
@@ -113,6 +113,11 @@ class Fp32LogitHead:
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         return soft_cap(logits, self.softcap)
+
+
+def whole(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as one plain tensor: a tensor-parallel target's shards (a DTensor) gathered on every rank."""
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

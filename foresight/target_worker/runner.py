@@ -6,6 +6,7 @@ rejected tail is cropped so the cache again ends just before the new anchor.
 """
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -104,6 +105,10 @@ class TargetRunner:
             # rejected drafts needs to restore (rollback() trims it back to the window each round).
             cache.activate_past_recording()
         return cache
+
+    def copy_cache(self, cache: DynamicCache) -> DynamicCache:
+        """A cache that starts as `cache` holds now (a request taking another's prefill of the same prompt)."""
+        return copy.deepcopy(cache)  # views keep pointing into the copied buffers (one memo)
 
     @property
     def has_sliding_layers(self) -> bool:

@@ -8,8 +8,6 @@ own prefill would have. Requests that asked for the prompt's logprobs prefill on
 """
 from __future__ import annotations
 
-import copy
-
 from .request_state import RequestState
 
 
@@ -23,7 +21,8 @@ def prefill_twins(state: RequestState, requests) -> list[RequestState]:
             and other.request.sampling.prompt_logprobs is None and other.request.prompt_ids == prompt]
 
 
-def take_prefill(twin: RequestState, state: RequestState) -> None:
-    """`twin` starts from a copy of `state`'s cache, which holds exactly their common prompt."""
-    twin.cache = copy.deepcopy(state.cache)  # views keep pointing into the copied buffers (one memo)
+def take_prefill(twin: RequestState, state: RequestState, runner) -> None:
+    """`twin` starts from a copy of `state`'s cache, which holds exactly their common prompt (`runner`: the target's,
+    which makes the copy)."""
+    twin.cache = runner.copy_cache(state.cache)
     twin.prefill_pos = state.prefill_pos

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import torch
 import zmq
@@ -53,6 +54,7 @@ from .local_lookup import LocalLookup
 from .request_state import RequestState
 from .runner import TargetRunner
 from .step_threads import StepThreads
+from .tensor_parallel import split_target
 from .logit_rules import LogitRules
 from .logprobs import committed_logprobs, prompt_chunk_logprobs
 from .grammar import GrammarError, GrammarState, grammar_tokenizer
@@ -283,7 +285,7 @@ class TargetWorker:
         state.prefill_hidden = []
         twins = prefill_twins(state, self.requests.values())
         for twin in twins:  # before anything of `state` moves on: its cache holds exactly the prompt
-            take_prefill(twin, state)
+            take_prefill(twin, state, self.runner)
         self.prefills_shared += len(twins)
         for s in [state, *twins]:
             self.guarded(s, self.start_generating, s, result, hidden)
@@ -481,15 +483,27 @@ def main(cfg_dict: dict, addrs_dict: dict, layout_dict: dict, strategies: list[s
     ctx = zmq.Context()
     with worker_lifetime(ctx, addrs, "target"):
         path = resolve_target(cfg.target)
-        model = load_target(path, resolve_dtype(cfg.dtype, cfg.target_device), cfg.target_device)
-        apply_quantization(model, cfg.quantization, path, cfg.target_device, "target")
-        use_cpu_linears(model, cfg.cpu_linear, cfg.target_device, "target")
         layout = HiddenLayout(**layout_dict)
         threads = StepThreads.from_config(cfg)
-        compiled = compiled_step_for(model, cfg.compile, cfg.target_device, layout.layers, cfg.block_size,
-                                     cache_root() / "compiled", packed_attention, "target", threads.most,
-                                     batched=cfg.batched_steps, chunk_tokens=prompt_chunk_tokens(cfg))
-        runner = TargetRunner(model, layout, compiled=compiled)
-        max_len = cfg.max_model_len or model.config.max_position_embeddings
-        TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),
-                     tuple(auto_strategies), threads, tokenizer=load_tokenizer(path)).run()
+        with target_runner(cfg, path, layout, threads) as runner:
+            model = runner.model
+            max_len = cfg.max_model_len or model.config.max_position_embeddings
+            TargetWorker(cfg, addrs, runner, ctx, eos_ids(model), max_len, tuple(strategies),
+                         tuple(auto_strategies), threads, tokenizer=load_tokenizer(path)).run()
+
+
+@contextmanager
+def target_runner(cfg: EngineConfig, path, layout: HiddenLayout, threads: StepThreads):
+    """The target's runner for the worker's life: on one device (quantized, compiled as configured), or split over
+    `cfg.tensor_parallel_size` ranks (tensor_parallel.py: eager, dense)."""
+    if cfg.tensor_parallel_size > 1:
+        with split_target(cfg, path, layout) as runner:
+            yield runner
+        return
+    model = load_target(path, resolve_dtype(cfg.dtype, cfg.target_device), cfg.target_device)
+    apply_quantization(model, cfg.quantization, path, cfg.target_device, "target")
+    use_cpu_linears(model, cfg.cpu_linear, cfg.target_device, "target")
+    compiled = compiled_step_for(model, cfg.compile, cfg.target_device, layout.layers, cfg.block_size,
+                                 cache_root() / "compiled", packed_attention, "target", threads.most,
+                                 batched=cfg.batched_steps, chunk_tokens=prompt_chunk_tokens(cfg))
+    yield TargetRunner(model, layout, compiled=compiled)

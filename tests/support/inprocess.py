@@ -23,11 +23,12 @@ from foresight.target_worker.worker import TargetWorker
 
 class InProcessEngine:
     def __init__(self, model, cfg: EngineConfig | None = None, max_model_len: int | None = None, proposer=None,
-                 foresight_to_completion: bool = False, compiled=None, tokenizer=None):
+                 foresight_to_completion: bool = False, compiled=None, tokenizer=None, runner=None):
         """`foresight_to_completion`: foresight jobs ignore waiting messages and run every planned stage (a
         tiny model verifies so fast that the next outcome would cut most of them short, which tests that
         count refreshes or cache hits must not depend on). `compiled`: the target's `CompiledStep`.
-        `tokenizer`: the target's, for requests with a grammar."""
+        `tokenizer`: the target's, for requests with a grammar. `runner`: the target's runner (default: one over
+        `model` sending what the proposer reads)."""
         self.cfg = cfg or EngineConfig(drafter="ngram")
         self.addrs = WorkerAddresses.fresh()
         self.ctx = zmq.Context()
@@ -37,7 +38,7 @@ class InProcessEngine:
         self.drafter = DrafterWorker(self.cfg, self.addrs, proposer, self.ctx)
         if foresight_to_completion:
             self.drafter.message_waiting = lambda: False
-        runner = TargetRunner.for_proposer(model, proposer, compiled=compiled)
+        runner = runner or TargetRunner.for_proposer(model, proposer, compiled=compiled)
         self.target = TargetWorker(self.cfg, self.addrs, runner, self.ctx, eos_ids(model),
                                    max_model_len or model.config.max_position_embeddings,
                                    strategies=tuple(self.drafter.strategies),

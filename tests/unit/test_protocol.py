@@ -26,6 +26,12 @@ from foresight.protocol.messages import (
     RequestFailed,
     RoundStats,
     SamplingParams,
+    ShardCacheCopy,
+    ShardCacheFree,
+    ShardCacheNew,
+    ShardForward,
+    ShardRollback,
+    ShardVerifyBatch,
     Shutdown,
     StartDraft,
     TokenLogprobs,
@@ -65,6 +71,12 @@ EXAMPLES = [
     ControllerStats(auto_goodput={"greedy/ngram": 81.5, "greedy/pipelined": 60.25}, auto_exploring={"greedy": 0.01},
                     policy="lookup", load_level=4, policy_goodput={"4/lookup": 120.0, "4/plain": 110.5}),
     ControllerStats(),
+    ShardCacheNew(cache=3),
+    ShardCacheCopy(source=3, cache=4),
+    ShardCacheFree(caches=[3, 4]),
+    ShardForward(cache=3, tokens=[5, 6, 7], keep_logits=None, rollback=True),
+    ShardVerifyBatch(caches=[3, 4], blocks=[[1, 2], [3]], chunk_cache=5, chunk_tokens=[8, 9]),
+    ShardRollback(cache=3, rejected=2),
 ]
 
 
