@@ -61,6 +61,7 @@ def _main(argv: list[str], early=None) -> int:
         if args.command in TRAIN_COMMANDS:
             return run_training(args)
         engine = engine_from_args(args)
+        check_split(engine)
         if args.command == "serve":
             return serve(args, engine, early)
         if args.command == "eval-quality":
@@ -93,6 +94,15 @@ def check_mode(engine) -> None:
     if why is not None:
         raise ConfigError(f"--mode pipelined needs a drafter with foresight (a trained drafter and its adapter): "
                           f"{why}; use --mode sync or ar")
+
+
+def check_split(engine) -> None:
+    """A tensor-parallel split that cannot share out the target's heads: said before any worker starts."""
+    if engine.tensor_parallel_size > 1:
+        from .models.loading import resolve_target
+        from .target_worker.tensor_parallel import check_divides
+
+        check_divides(engine.tensor_parallel_size, resolve_target(engine.target))
 
 
 # After the drain, open connections get this long to close before uvicorn cancels them.

@@ -9,8 +9,9 @@ greedy decoding at ties that are artefacts of the output format, not of the mode
 `Fp32LogitHead` keeps the body of the model in its serving dtype and computes only the last mile in
 fp32: the final norm (a float copy of the norm module, so any RMSNorm variant is reproduced) over the
 last layer's output, then the LM head with an fp32 copy of its weight, then the model's final logit
-soft-capping where it has one (Gemma). The copy costs vocab x hidden x 4 bytes (113 MB for SmolLM2);
-upcasting the bf16 weight on every call measured 6x slower (docs/numerics.md).
+soft-capping where it has one (Gemma). The copy costs vocab x hidden x 4 bytes (113 MB for SmolLM2), made only
+where every logit is computed in fp32 ("fp32"); upcasting the bf16 weight on every call measured 6x slower
+(docs/numerics.md). "fp32-top" recomputes only a few entries, from the serving-dtype weight's rows.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Fp32LogitHead:
         if getattr(head, "bias", None) is not None:
             raise ValueError("Fp32LogitHead: LM heads with a bias are not supported")
         self.weight_low = whole(head.weight.detach())  # [vocab, hidden] in the serving dtype
-        self.weight = self.weight_low.float()  # [vocab, hidden]
+        self._weight: torch.Tensor | None = None  # `weight`, made at its first use
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
         # Measured on SmolLM2 in bf16: |model logit - fp32 logit| <= 0.005 x |row max| over the top-50
         # tokens (0.22 at |max| 46) = 0.6 eps. Refining everything within 8 eps x |row max| of the
@@ -60,6 +61,13 @@ class Fp32LogitHead:
         (of a batched forward: the positions `select` names)."""
         logits = torch.nn.functional.linear(self.normed(keep, select), self.weight)
         return self._softcap(logits)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[vocab, hidden] float32: the LM head's fp32 copy (made once, where every logit is computed in fp32)."""
+        if self._weight is None:
+            self._weight = self.weight_low.float()
+        return self._weight
 
     def refine(self, low: torch.Tensor, select: Selection | None = None) -> torch.Tensor:
         """fp32 logits where they decide: `low` [keep, vocab] (the model's own low-precision logits)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..models.loading import load_target, resolve_dtype, resolve_target
 from ..protocol.liveness import prepare_worker_process
 from ..protocol.codec import decode, encode
@@ -130,6 +130,9 @@ class Follower:
     """A rank other than 0: makes rank 0's runner calls on its own runner, on its own caches, until Shutdown."""
 
     def __init__(self, runner: TargetRunner, channel: CommandChannel):
+        # Rank 0 alone decides on the logits: the others keep no fp32 head (building theirs took part in the
+        # gather of rank 0's), and their forwards make the same collectives without one.
+        runner.head, runner.logit_precision = None, "model"
         self.runner = runner
         self.channel = channel
         self.caches: dict[int, object] = {}
@@ -218,6 +221,7 @@ def start_ranks(cfg: EngineConfig, layout: HiddenLayout, port: int) -> list[subp
 def split_target(cfg: EngineConfig, path: Path, layout: HiddenLayout):
     """Rank 0 of a target split over `cfg.tensor_parallel_size` ranks: starts the others, loads its shard, yields
     its `SplitRunner`; on the way out stops the others (Shutdown, or killed when rank 0 leaves by an error)."""
+    check_divides(cfg.tensor_parallel_size, path)
     port = free_port()
     environment = rank_environment(cfg, 0, port)
     before = {name: os.environ.get(name) for name in environment}
@@ -234,6 +238,18 @@ def split_target(cfg: EngineConfig, path: Path, layout: HiddenLayout):
         stop_ranks(ranks, channel if clean and all(proc.poll() is None for proc in ranks) else None)
         for name, value in before.items():
             os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+
+
+def check_divides(size: int, path: Path) -> None:
+    """Each rank takes an equal share of the attention and KV heads: `size` must divide both counts."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    config = getattr(config, "text_config", None) or config
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if heads % size or kv_heads % size:
+        raise ConfigError(f"tensor_parallel_size {size} must divide the target's {heads} attention heads and "
+                          f"{kv_heads} KV heads (each rank holds an equal share)")
 
 
 def stop_ranks(ranks: list[subprocess.Popen], channel: CommandChannel | None) -> None:

@@ -124,3 +124,12 @@ def test_a_bf16_split_target_decides_on_fp32_logits_from_the_whole_head(model, t
     assert got.logits.dtype == torch.float32
     torch.testing.assert_close(got.logits, want.logits, atol=0.05, rtol=0.02)
     assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+
+
+def test_a_split_that_does_not_divide_the_heads_is_refused_before_any_rank_starts(model, tmp_path):
+    path = tmp_path / "tiny-llama"
+    model.save_pretrained(path)  # 4 heads, 2 KV heads
+    cfg = EngineConfig(target=str(path), drafter="ngram", dtype="float32", tensor_parallel_size=4)
+    with pytest.raises(ConfigError, match="tensor_parallel_size 4 must divide the target's 4 attention heads and 2 KV"):
+        with split_target(cfg, path, HiddenLayout()):
+            pass
