@@ -412,7 +412,9 @@ def pipeline_efficiency(summary: dict) -> dict:
 
 
 def served_quantization(cfg: EngineConfig, dtype: torch.dtype) -> str:
-    """What the target worker resolves `cfg.quantization` to (models/quantization.py)."""
+    """What the target worker resolves `cfg.quantization` to (models/quantization.py; a split target: dense)."""
+    if cfg.tensor_parallel_size > 1:
+        return "none"
     gguf = gguf_source(resolve_target(cfg.target))
     return resolve_quantization(cfg.quantization, gguf, dtype, cfg.target_device)
 
@@ -422,6 +424,7 @@ def machine_info(cfg: EngineConfig) -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), None)
     return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
             "target_device": cfg.target_device, "drafter_device": cfg.drafter_device,
+            "tensor_parallel_size": cfg.tensor_parallel_size,
             "target_threads": cfg.target_threads, "drafter_threads": cfg.drafter_threads,
             "borrow_drafter_threads": cfg.borrow_drafter_threads and not cfg.pinned, "cpu_linear": cfg.cpu_linear,
             "target_cores": cfg.target_cores, "drafter_cores": cfg.drafter_cores,
