@@ -28,7 +28,7 @@ from ..models.decoder import ForesightDecoder
 from ..models.draft_model import ContextKV, DraftModel
 from ..protocol.messages import HiddenLayout
 from .jetspec_proposer import DraftModelState
-from .outcome_scorer import ForesightState, Prediction, block_rows
+from .outcome_scorer import ForesightState, Prediction, block_rows, sorted_columns
 from .outcomes import Outcome
 from .proposer import DraftContext
 from .refinement import row_contexts
@@ -59,6 +59,7 @@ class AdapterDecoderScorer:
         if adapter is None or decoder is None:
             raise ValueError("foresight needs both an adapter and a decoder (DraftModelScorer: decoder depth 0)")
         self.adapter, self.decoder = adapter, decoder
+        self.vocab_columns = sorted_columns(decoder.vocab_subset, decoder.vocab_size)
         n_target = decoder.config.num_hidden_layers
         hidden = decoder.config.hidden_size
         if model.config.target_hidden_size != hidden:

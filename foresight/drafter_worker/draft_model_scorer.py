@@ -23,7 +23,7 @@ import torch
 
 from ..models.draft_model import ContextKV, DraftModel
 from .jetspec_proposer import DraftModelState
-from .outcome_scorer import ForesightState, Prediction, block_rows
+from .outcome_scorer import ForesightState, Prediction, block_rows, sorted_columns
 from .outcomes import Outcome
 from .proposer import DraftContext
 
@@ -42,6 +42,7 @@ class DraftModelScorer:
 
     def __init__(self, model: DraftModel):
         self.model = model
+        self.vocab_columns = sorted_columns(model.vocab_subset, model.config.vocab_size)
 
     def new_state(self, model: DraftModelState) -> ForesightState:
         return ForesightState(model=model)

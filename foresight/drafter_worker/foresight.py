@@ -42,10 +42,8 @@ from ..models.compiled_adapter import compiled_adapter_for
 from ..models.compiled_decoder import compiled_decoder_for
 from ..models.cpu_linear import use_cpu_linears
 from ..models.loading import cache_root
-from ..spec.sampling import target_probs
-from ..spec.verification import in_nucleus
 from .budget import Plan, StepCosts, plan_round
-from .calibration import FILE_NAME as CALIBRATION_FILE, Calibration, calibrated_scores
+from .calibration import FILE_NAME as CALIBRATION_FILE, Calibration
 from .decoder_scorer import AdapterDecoderScorer
 from .draft_model_scorer import DraftModelScorer
 from .foresight_batch import BatchedForesight, ForesightStats
@@ -53,14 +51,13 @@ from ..models.decoder import ForesightDecoder
 from ..models.draft_model import DraftModel
 from .jetspec_proposer import JetSpecProposer, load_drafter_target, served_draft_model
 from .outcome_scorer import ForesightState, OutcomeScorer, Prediction
-from .outcomes import Outcome, candidate_columns, outcome_scores, select_outcomes
+from .outcome_selection import select_for_request
+from .outcomes import Outcome
 from .proposer import Draft, DraftContext
 
 STATE_KEY = "foresight"  # the request's ForesightState in DraftContext.states
 
-__all__ = ["ForesightDrafter", "rank_outcomes"]
-
-TOP_PER_ROW = 32  # bonus candidates per accepted length that selection considers (B <= this)
+__all__ = ["ForesightDrafter"]
 
 
 class ForesightDrafter(BatchedForesight):
@@ -184,23 +181,12 @@ class ForesightDrafter(BatchedForesight):
     def select(self, logits: torch.Tensor, block: list[int], B: int, temperature: float | None,
                sampling: SamplingParams | None = None, confidence: Sequence[float] = (),
                calibrated: bool = True) -> list[Outcome]:
-        """Step 3: the B outcomes to pre-draft, best first (Eq. 6-7; greedy path first at temperature 0).
-
-        Scored under the request's own verification (`sampling`: top-k, top-p, exact or nucleus), so that
-        with a perfect decoder the scores are the outcome law (Proposition 1). At temperature 0 the rest of
-        the cache is ranked at temperature 1, where the nucleus gate of greedy verification is built too.
-        With a calibration (and `calibrated`), the calibrated scores of appendix B.1 rank the outcomes;
-        `confidence` [gamma]: the draft model's probability of each draft, one of their features."""
-        t = 1.0 if not temperature else temperature
-        top_k, top_p = (sampling.top_k, sampling.top_p) if sampling is not None else (0, 1.0)
-        probs = target_probs(logits, t, top_k, top_p)  # [gamma+1, vocab]  p_hat as the target processes p
-        sure = None
-        if sampling is not None and sampling.verification == "nucleus" and block:
-            sure = in_nucleus(probs[: len(block)], torch.tensor(block), sampling.nucleus_threshold)  # [gamma]
-        greedy_top = None  # the decoder's greedy path: accept while d_i is row i-1's argmax
-        if temperature is not None and temperature == 0 and self.scorer.greedy_first:
-            greedy_top = logits.argmax(-1).tolist()
-        return rank_outcomes(probs, block, B, self.calibration if calibrated else None, confidence, sure, greedy_top)
+        """Step 3: the B outcomes to pre-draft, best first (outcome_selection.py), under the request's own
+        verification (`sampling`); with a calibration (and `calibrated`), its scores rank them; `confidence`
+        [gamma]: the draft model's probability of each draft, one of their features."""
+        return select_for_request(logits, block, B, temperature, sampling,
+                                  self.calibration if calibrated else None, confidence, self.scorer.greedy_first,
+                                  self.scorer.vocab_columns)
 
     def plan(self, budget_s: float, mode: Refinement) -> Plan:
         """This round's B, J, R (Eq. 3, `budget.plan_round`): caps `cache_size`, `foresight_passes` and
@@ -208,31 +194,6 @@ class ForesightDrafter(BatchedForesight):
         j = self.foresight_passes
         r = 0 if mode == Refinement.NONE else j if self.refreshes is None else self.refreshes
         return plan_round(self.costs, budget_s if self.use_budget else 0.0, self.cache_size, j, r)
-
-
-def rank_outcomes(probs: torch.Tensor, block: list[int], B: int, calibration: Calibration | None = None,
-                  confidence: Sequence[float] = (), sure: torch.Tensor | None = None,
-                  greedy_top: list[int] | None = None, whole_vocab: bool = False) -> list[Outcome]:
-    """The B best outcomes of `block` from the target-processed probs [gamma+1, vocab], best first: Eq. 6 scores
-    (calibrated with a `calibration`), Eq. 7 selection; with `greedy_top` (each row's argmax) the greedy path's
-    outcome first. Scored over `candidate_columns` (whole_vocab: every column; the same outcomes)."""
-    cols = None if whole_vocab else candidate_columns(probs, block, TOP_PER_ROW)
-    local = block
-    if cols is not None:  # [gamma+1, U] and the block in column indices
-        probs, local = probs[:, cols], torch.searchsorted(cols, torch.tensor(block, dtype=torch.long)).tolist()
-    if calibration is not None:
-        scores = calibrated_scores(probs, local, calibration, confidence, sure)
-    else:
-        scores = outcome_scores(probs, local, sure)
-    token = (lambda a: a) if cols is None else (lambda a: int(cols[a]))
-    picked = [Outcome(o.k, token(o.a), o.score) for o in select_outcomes(scores, B, TOP_PER_ROW)]
-    if greedy_top is None:
-        return picked
-    passed = [d == greedy_top[i] or (sure is not None and bool(sure[i])) for i, d in enumerate(block)]
-    k = next((i for i, ok in enumerate(passed) if not ok), len(block))
-    a = greedy_top[k] if cols is None else int(torch.searchsorted(cols, torch.tensor(greedy_top[k])))
-    greedy = Outcome(k, greedy_top[k], float(scores.prefix[k] * scores.anchor[k, a]))
-    return [greedy] + [o for o in picked if (o.k, o.a) != (greedy.k, greedy.a)][: B - 1]
 
 
 def resolve_adapter_path(cfg: EngineConfig, drafter_path: Path) -> Path | None:

@@ -47,6 +47,9 @@ class OutcomeScorer(Protocol):
     decoder_layers: int  # target layers that score the outcomes (0: the draft model scores them)
     refines: bool  # refinement can run: it refreshes drafts with predicted states
     greedy_first: bool  # at temperature 0 the scores' greedy path is pre-drafted first (`ForesightDrafter.select`)
+    # The sorted token ids the scores' logits can be finite at (the draft model's vocabulary; None: every token):
+    # selection runs over them alone (outcome_selection.py)
+    vocab_columns: torch.Tensor | None
 
     def new_state(self, model: DraftModelState) -> ForesightState:
         """A request's state over the draft model's `model`."""
@@ -93,3 +96,10 @@ def block_rows(ctxs: list[DraftContext], blocks: list[list[int]]) -> tuple[torch
     tokens = torch.tensor([[ctx.tokens[-1], *block] + ctx.tokens[-1:] * (width - length)
                            for ctx, block, length in zip(ctxs, blocks, lengths)])
     return tokens, lengths
+
+
+def sorted_columns(subset: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """`vocab_columns` of a scorer whose logits are -inf outside `subset` (token ids; None or every token: None)."""
+    if subset is None or len(subset) == vocab_size:
+        return None
+    return torch.sort(subset.long().cpu()).values

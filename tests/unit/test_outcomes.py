@@ -221,7 +221,7 @@ def test_ranking_over_the_candidate_columns_picks_what_the_whole_vocabulary_pick
     must be the whole vocabulary's, with Eq. 6 or calibrated scores, the greedy path, the nucleus gate, top-k zeros
     and the ties bf16 logits make (every token tied at a row's cut is a column)."""
     from foresight.drafter_worker.calibration import Calibration
-    from foresight.drafter_worker.foresight import rank_outcomes
+    from foresight.drafter_worker.outcome_selection import rank_outcomes
     from foresight.spec.sampling import target_probs
 
     g = torch.Generator().manual_seed(case)
@@ -243,3 +243,34 @@ def test_ranking_over_the_candidate_columns_picks_what_the_whole_vocabulary_pick
         assert [(o.k, o.a) for o in got] == [(o.k, o.a) for o in whole], B
         # a calibrated softmax sums over fewer columns: the same scores up to float rounding
         assert [o.score for o in got] == pytest.approx([o.score for o in whole], rel=1e-5, abs=1e-12)
+
+
+@pytest.mark.parametrize("case", range(30))
+def test_selection_over_the_scorers_vocabulary_picks_what_the_whole_vocabulary_picks(case):
+    """A scorer's logits are -inf outside its vocabulary (the draft model's subset): selecting over those columns
+    alone picks the same outcomes, in the same order, with the same scores, under every verification setting; a
+    block with a draft outside them (a prompt-lookup block) is scored over the whole vocabulary."""
+    from foresight.drafter_worker.calibration import Calibration
+    from foresight.drafter_worker.outcome_selection import select_for_request
+    from foresight.protocol.messages import SamplingParams
+
+    g = torch.Generator().manual_seed(100 + case)
+    gamma, vocab = int(torch.randint(0, 8, (1,), generator=g)), 3000
+    columns = torch.sort(torch.randperm(vocab, generator=g)[:900]).values
+    logits = torch.full((gamma + 1, vocab), float("-inf"))
+    logits[:, columns] = torch.randn(gamma + 1, len(columns), generator=g) * 4
+    if case % 2:
+        logits = logits.bfloat16().float()  # ties
+    inside = [int(columns[int(logits[i, columns].argmax())]) for i in range(gamma)]
+    block = inside if case % 4 or not gamma else inside[:-1] + [int(torch.randint(0, vocab, (1,), generator=g))]
+    sampling = SamplingParams(temperature=[0.0, 0.7, 1.0][case % 3], top_k=40 if case % 5 == 0 else 0,
+                              top_p=0.9 if case % 6 == 1 else 1.0,
+                              verification="nucleus" if case % 7 == 0 else "exact", nucleus_threshold=0.5)
+    kw = dict(calibration=Calibration((0.5, 1.0, 0.3, -0.2, -0.1, 0.2), 0.8) if case % 2 == 0 else None,
+              confidence=[0.4] * gamma, greedy_first=True)
+    for B in (1, 4, 16):
+        got = select_for_request(logits, block, B, sampling.temperature, sampling, columns=columns, **kw)
+        whole = select_for_request(logits, block, B, sampling.temperature, sampling, **kw)
+        assert [(o.k, o.a) for o in got] == [(o.k, o.a) for o in whole], B
+        assert [o.score for o in got] == pytest.approx([o.score for o in whole], rel=1e-5, abs=1e-12)
+        assert all(o.a in set(columns.tolist()) for o in got)
