@@ -47,7 +47,7 @@ from .calibration import FILE_NAME as CALIBRATION_FILE, Calibration
 from .decoder_scorer import AdapterDecoderScorer
 from .draft_model_scorer import DraftModelScorer
 from .foresight_batch import BatchedForesight, ForesightStats
-from ..models.decoder import ForesightDecoder
+from ..models.decoder import ForesightDecoder, keep_decoder_parts
 from ..models.draft_model import DraftModel
 from .jetspec_proposer import JetSpecProposer, load_drafter_target, served_draft_model
 from .outcome_scorer import ForesightState, OutcomeScorer, Prediction
@@ -235,6 +235,7 @@ def foresight_from_config(drafter_path: Path, adapter_path: Path, cfg: EngineCon
                           f"adapter predicts ({adapter.target_indices}): choose one of "
                           f"{[n_target - i for i in adapter.target_indices]}")
     subset = model.vocab_subset if model.config.vocab_subset_size else None  # the draft model's vocabulary
+    keep_decoder_parts(target, n_layers, cfg.drafter_device)  # the rest of the target is not the drafter's
     decoder = ForesightDecoder(target, n_layers=n_layers, vocab_subset=subset)
     decoder_layers = torch.nn.ModuleList(decoder.layers)  # the target layers it runs (shared)
     for part, name in ((adapter, "adapter"), (decoder_layers, "foresight decoder")):

@@ -50,11 +50,13 @@ def resolve_drafter_path(cfg: EngineConfig) -> Path | None:
 
 
 def load_drafter_target(cfg: EngineConfig):
-    """The target model on the drafter's device (its embedding, LM head and, for foresight, top layers)."""
+    """The target model in the drafter's dtype, on the CPU: each part the drafter keeps (the draft model's copies of
+    its embedding and LM head, the adapter's, the foresight decoder's top layers) goes to the drafter's device as it
+    is built, so a target larger than the drafter's GPU never lands on it whole."""
     from ..models.loading import load_target, resolve_drafter_dtype, resolve_target
 
     dtype = resolve_drafter_dtype(cfg.drafter_dtype, cfg.dtype, cfg.drafter_device)
-    return load_target(resolve_target(cfg.target), dtype, cfg.drafter_device), dtype
+    return load_target(resolve_target(cfg.target), dtype, "cpu"), dtype
 
 
 def served_draft_model(path: Path, target, dtype: torch.dtype, cfg: EngineConfig) -> DraftModel:

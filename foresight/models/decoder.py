@@ -114,7 +114,7 @@ class ForesightDecoder:
         self.vocab_subset = None if vocab_subset is None else vocab_subset.long().to(self.lm_head.weight.device)
         # [V', hidden] copy of the subset's rows (a gather per call would read the whole head again)
         self._head_rows = None if vocab_subset is None else self.lm_head.weight.detach()[self.vocab_subset].clone()
-        param = next(model.parameters())
+        param = self.norm.weight  # not the embedding: the decoder never reads it (`keep_decoder_parts`)
         self.device, self.dtype = param.device, param.dtype
         self.compiled = None  # the compiled pass over one request's row (models/compiled_decoder.py), if built
 
@@ -442,3 +442,20 @@ def _set_linear_state(layer, conv: torch.Tensor, recurrent: torch.Tensor) -> Non
     layer.conv_states[0].copy_(conv)
     layer.recurrent_states[0].copy_(recurrent)
     layer.has_previous_state[0] = True  # the next forward continues from it (not a prefill from zeros)
+
+
+def keep_decoder_parts(model, n_layers: int, device: str | torch.device) -> None:
+    """Of the target `model`, only what a decoder of its top `n_layers` layers reads stays, on `device`: those
+    layers, the final norm, the rotary tables and the LM head. The other layers and an untied embedding go to the
+    meta device (their memory freed; anything that still ran them would fail loudly). So a drafter holds a few of a
+    large target's layers, not all of them, and loads the target on the CPU first (the drafter worker's
+    `load_drafter_target`)."""
+    base = model.model
+    first = len(base.layers) - n_layers
+    for i, layer in enumerate(base.layers):
+        layer.to(device if i >= first else "meta")
+    head = model.get_output_embeddings()
+    for part in (base.norm, base.rotary_emb, head):
+        part.to(device)
+    if base.embed_tokens.weight is not head.weight:  # tied: the head's own weight, kept
+        base.embed_tokens.to("meta")

@@ -191,3 +191,26 @@ def test_unsupported_layers_raise():
         ForesightDecoder(windowed, 1)
     with pytest.raises(ValueError):
         ForesightDecoder(tiny_model("llama"), 0)
+
+
+@pytest.mark.parametrize("varied", [False, True])  # a tied LM head, and one of its own
+def test_a_decoder_keeps_only_the_target_parts_it_reads(varied):
+    """`keep_decoder_parts`: the layers below the decoder's and an untied embedding are freed (meta device); the
+    decoder over what is left scores exactly as over the whole target."""
+    from foresight.models.decoder import keep_decoder_parts
+
+    model = tiny_model("llama", varied=varied)
+    ids = torch.randint(0, VOCAB - 1, (1, 16), generator=torch.Generator().manual_seed(3))
+    states, _ = true_run(model, ids, 1)  # the input of a 2-layer decoder (3 target layers)
+    want = ForesightDecoder(model, 2)
+    cache = want.new_cache()
+    want.extend_context(cache, states[:10], 0)
+    expected = want.logits(cache, states[10:14], 10)
+    keep_decoder_parts(model, 2, "cpu")
+    assert all(p.is_meta for p in model.model.layers[0].parameters())
+    assert not any(p.is_meta for layer in model.model.layers[1:] for p in layer.parameters())
+    assert model.model.embed_tokens.weight.is_meta == varied
+    got = ForesightDecoder(model, 2)
+    cache = got.new_cache()
+    got.extend_context(cache, states[:10], 0)
+    torch.testing.assert_close(got.logits(cache, states[10:14], 10), expected, atol=0, rtol=0)
