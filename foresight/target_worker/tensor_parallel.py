@@ -88,8 +88,9 @@ class SplitRunner(TargetRunner):
         lost = [rank for rank, proc in enumerate(self.ranks, start=1) if proc.poll() is not None]
         if lost:
             raise RankLost(f"tensor-parallel rank(s) {lost} exited")
-        if self.freed:
-            freed, self.freed = self.freed, []
+        if self.freed:  # one list for the runner's life: the caches' finalizers hold its `append`
+            freed = self.freed[:]
+            self.freed.clear()
             self.channel.send(ShardCacheFree(caches=freed))
         self.channel.send(msg)
 

@@ -4,6 +4,8 @@ the whole model computes, its caches follow every call (prefill, verify, rollbac
 prefill), greedy serving through it equals plain greedy decoding, and a rank that dies stops the worker."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -63,6 +65,17 @@ def test_the_split_target_holds_half_the_kv_heads_and_computes_what_the_whole_on
         assert_same(mine, theirs)
     got = {k: r.verify(twins[k], 9, [10]) for k, r in runners.items()}  # the copy went on apart from its source
     assert_same(got["split"], got["whole"])
+
+
+def test_caches_dropped_on_rank_0_are_freed_on_the_others_with_the_next_call(split):
+    for _ in range(3):  # the caches freed after the first flush must reach the list the next one sends
+        cache = split.new_cache()  # sends the frees pending
+        assert split.freed == []
+        split.prefill(cache, PROMPT)
+        cache_id = split.cache_ids[cache]
+        del cache
+        gc.collect()
+        assert split.freed == [cache_id]
 
 
 def test_greedy_serving_on_the_split_target_equals_plain_greedy(model, split):
