@@ -237,8 +237,16 @@ def split_target(cfg: EngineConfig, path: Path, layout: HiddenLayout):
         clean = True
     finally:
         stop_ranks(ranks, channel if clean and all(proc.poll() is None for proc in ranks) else None)
-        for name, value in before.items():
-            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+        restore_environment(before)
+
+
+def restore_environment(before: dict[str, str | None]) -> None:
+    """The variables of `before` back to its values (None: unset)."""
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def check_divides(size: int, path: Path) -> None:
@@ -247,7 +255,8 @@ def check_divides(size: int, path: Path) -> None:
 
     config = AutoConfig.from_pretrained(path)
     config = getattr(config, "text_config", None) or config
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % size or kv_heads % size:
         raise ConfigError(f"tensor_parallel_size {size} must divide the target's {heads} attention heads and "
                           f"{kv_heads} KV heads (each rank holds an equal share)")
