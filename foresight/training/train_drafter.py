@@ -32,6 +32,10 @@ class TrainSettings:
     batch_seqs: int = 4  # sequences per step
     anchors: int = 16  # blocks per sequence
     block_size: int = 16
+    # Block positions the loss covers (0 = all of them). A block's output i reads only inputs <= i (causal inside
+    # the block), so the first P positions of a block train exactly as in a whole one: with P = 8, the default
+    # verification block, a step holds half the queries and drops the positions 8.. (14 % of the loss weight).
+    loss_positions: int = 0
     num_layers: int = 3
     context_window: int = 512
     vocab_subset: int = 14500  # 0 = full vocabulary
@@ -50,6 +54,13 @@ class TrainSettings:
     bf16: bool = True
     time_budget_s: float = 0.0  # > 0: after BUDGET_PROBE steps, cut `steps` to what fits (the schedule follows)
     init: str = "random"  # random | target (its top attention layers) | a checkpoint folder (warm start); see draft_init
+
+
+def trained_positions(s: TrainSettings) -> int:
+    """The block positions a training block holds: `loss_positions`, or the whole block."""
+    if s.loss_positions and not 3 <= s.loss_positions <= s.block_size:
+        raise ValueError(f"loss_positions must lie in [3, block_size={s.block_size}] (or 0 = all)")
+    return s.loss_positions or s.block_size
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
@@ -118,12 +129,13 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
     subset_index[model.vocab_subset.to(device)] = torch.arange(len(model.vocab_subset), device=device)
     model.config.extra.update({"train": asdict(s), "data": {"tokens": data.num_tokens, "sequences": len(data),
                                                             "path": str(data.path)}})
+    positions = trained_positions(s)
     bar = tqdm(total=s.steps, initial=step, unit="step", desc="train drafter", dynamic_ncols=True)
     budget = StepBudget(s, step, time.perf_counter(), bar)
     while step < s.steps:
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(s.seed * 1_000_003 + step)
-        batch = sample_blocks(data, gen, s.batch_seqs, s.anchors, s.block_size, s.context_window, subset_index,
+        batch = sample_blocks(data, gen, s.batch_seqs, s.anchors, positions, s.context_window, subset_index,
                               s.position_decay, device=device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)

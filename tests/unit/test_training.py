@@ -23,7 +23,7 @@ from foresight.training.eval_drafter import greedy_reference, speculate
 from foresight.training.label_store import LabelStore
 from foresight.training.labelling import DataDir, LabelSettings, Labeller, label_all, label_shards
 from foresight.training.run_files import BUDGET_PROBE, steps_within_budget
-from foresight.training.train_drafter import TrainSettings, build_model, kl_loss, lr_at, train
+from foresight.training.train_drafter import TrainSettings, build_model, kl_loss, lr_at, train, trained_positions
 from support.tiny_models import VOCAB, plain_greedy, tiny_model
 from support.toy_text import toy_encode
 
@@ -191,6 +191,39 @@ def test_block_sampling(data_dir):
     again = sample_blocks(data, torch.Generator().manual_seed(0), 3, 4, 8, 32, subset_index)
     assert torch.equal(again.tokens, batch.tokens)  # seeded
 
+
+
+def test_a_blocks_first_positions_train_as_in_the_whole_block(data_dir, target):
+    """Output i of a block reads only its inputs <= i: the first P queries of each block, kept alone (what
+    `loss_positions` trains), score as they do inside the whole block."""
+    data = LabelledData(data_dir)
+    s = TrainSettings(num_layers=2, block_size=8, context_window=32, vocab_subset=0, seed=0)
+    model = build_model(target, data, s).eval()
+    batch = sample_blocks(data, torch.Generator().manual_seed(2), 3, 4, 8, 32, torch.arange(VOCAB))
+    keep = batch.block_idx[0] < 5  # [Q] the first 5 positions of each of the 4 blocks
+    t = batch.ctx_states.shape[1]
+    mask = torch.cat([batch.mask[:, keep, :t], batch.mask[:, keep, t:][:, :, keep]], dim=-1)
+    with torch.no_grad():
+        whole = model.forward_blocks(batch.ctx_states.float(), batch.ctx_positions, batch.tokens, batch.block_idx,
+                                     batch.positions, batch.anchor_index, batch.mask)
+        first = model.forward_blocks(batch.ctx_states.float(), batch.ctx_positions, batch.tokens[:, keep],
+                                     batch.block_idx[:, keep], batch.positions[:, keep], batch.anchor_index[:, keep],
+                                     mask)
+    torch.testing.assert_close(first, whole[:, keep], rtol=1e-5, atol=1e-5)
+
+
+def test_loss_positions_train_short_blocks_of_a_whole_size_model(data_dir, target, tmp_path):
+    assert trained_positions(TrainSettings(block_size=16)) == 16
+    assert trained_positions(TrainSettings(block_size=16, loss_positions=8)) == 8
+    for bad in (2, 17):
+        with pytest.raises(ValueError, match="loss_positions"):
+            trained_positions(TrainSettings(block_size=16, loss_positions=bad))
+    s = TrainSettings(steps=2, num_layers=1, block_size=8, loss_positions=4, context_window=32, vocab_subset=0,
+                      batch_seqs=2, anchors=2, bf16=False, ckpt_every=100)
+    report = train(target, LabelledData(data_dir), tmp_path, s, log=lambda *_: None)
+    assert report["steps_done"] == 2
+    model = DraftModel.load(tmp_path, SharedWeights.from_target(target))
+    assert model.config.block_size == 8 and model.block_pos.num_embeddings == 8
 
 def test_resident_labels_are_loaded_once_per_device(data_dir):
     """The sampler's resident copy: sequences at their offsets, and loaded once per device whatever object
