@@ -225,6 +225,18 @@ def test_loss_positions_train_short_blocks_of_a_whole_size_model(data_dir, targe
     model = DraftModel.load(tmp_path, SharedWeights.from_target(target))
     assert model.config.block_size == 8 and model.block_pos.num_embeddings == 8
 
+
+def test_a_warm_start_keeps_the_checkpoints_jacobi_passes(data_dir, target, tmp_path):
+    s = dict(steps=1, num_layers=1, block_size=8, context_window=32, vocab_subset=0, batch_seqs=2, anchors=2,
+             bf16=False, ckpt_every=100)
+    train(target, LabelledData(data_dir), tmp_path / "a", TrainSettings(**s), log=lambda *_: None)
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["default_passes"] == 1  # DraftConfig's default
+    (tmp_path / "a" / "config.json").write_text(json.dumps({**config, "default_passes": 0}))
+    train(target, LabelledData(data_dir), tmp_path / "b", TrainSettings(init=str(tmp_path / "a"), **s),
+          log=lambda *_: None)
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["default_passes"] == 0
+
 def test_resident_labels_are_loaded_once_per_device(data_dir):
     """The sampler's resident copy: sequences at their offsets, and loaded once per device whatever object
     names it (on CUDA, 'cuda' vs the tensors' 'cuda:0' once caused a reload per step: 40x slower training;
