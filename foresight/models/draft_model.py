@@ -88,6 +88,11 @@ class DraftConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
+    @classmethod
+    def read(cls, folder: str | Path) -> "DraftConfig":
+        """The config of the checkpoint folder `folder`."""
+        return cls.from_dict(json.loads((Path(folder) / CONFIG_FILE).read_text()))
+
 
 @dataclass(slots=True)
 class SharedWeights:
@@ -455,7 +460,7 @@ class DraftModel(nn.Module):
     def load(cls, path: str | Path, shared: SharedWeights, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32) -> "DraftModel":
         path = Path(path)
-        cfg = DraftConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()))
+        cfg = DraftConfig.read(path)
         tensors = load_file(str(path / WEIGHTS_FILE))
         subset = tensors.pop("vocab_subset").long()
         model = cls(cfg, shared, subset)

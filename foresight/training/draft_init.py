@@ -19,13 +19,12 @@
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from ..models.draft_model import CONFIG_FILE, WEIGHTS_FILE, DraftConfig, DraftModel, is_checkpoint
+from ..models.draft_model import WEIGHTS_FILE, DraftConfig, DraftModel, is_checkpoint
 
 # draft layer weight -> target decoder-layer weight (Llama / Qwen / Mistral / Gemma naming)
 TARGET_LAYER_MAP = {
@@ -154,7 +153,7 @@ def _from_checkpoint(model: DraftModel, path: Path) -> dict:
         own[k].copy_(tensors[k].float())
     fresh = sorted(set(own) - set(loaded))
     # The Jacobi passes the checkpoint serves with were chosen by measuring it served; a fine-tune keeps them.
-    model.config.default_passes = DraftConfig.from_dict(json.loads((path / CONFIG_FILE).read_text())).default_passes
+    model.config.default_passes = DraftConfig.read(path).default_passes
     return {"init": str(path), "tensors": len(loaded), "fresh": fresh}
 
 
