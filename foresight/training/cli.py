@@ -79,6 +79,8 @@ def add_train_args(sub) -> None:
     d.add_argument("--block-size", type=int, default=16)
     d.add_argument("--loss-positions", type=int, default=0,
                    help="train only the first P positions of each block (the model keeps --block-size); 0 = all")
+    d.add_argument("--holdout", type=float, default=0.0,
+                   help="share of the labelled sequences kept out of training, scored at each checkpoint (0 = none)")
     d.add_argument("--layers", type=int, default=3, help="draft transformer layers")
     d.add_argument("--target-layers", default=None, help="comma list of target hidden-state indices")
     d.add_argument("--vocab-subset", type=int, default=14500, help="0 = full vocabulary")
@@ -331,8 +333,8 @@ def train_drafter(args: argparse.Namespace) -> int:
         names = {f.name for f in fields(TrainSettings)}
         s = TrainSettings(**{k: v for k, v in dict(
             steps=pick("steps"), batch_seqs=pick("batch_seqs"), anchors=pick("anchors"), block_size=args.block_size,
-            loss_positions=args.loss_positions, num_layers=args.layers, vocab_subset=args.vocab_subset, lr=args.lr,
-            ckpt_every=pick("ckpt_every"),
+            loss_positions=args.loss_positions, holdout=args.holdout, num_layers=args.layers,
+            vocab_subset=args.vocab_subset, lr=args.lr, ckpt_every=pick("ckpt_every"),
             seed=args.seed, device=args.device, time_budget_s=args.time_budget,
             init=init).items() if k in names})
         target = target.float()  # shared embedding / LM head in fp32 for training
@@ -340,7 +342,7 @@ def train_drafter(args: argparse.Namespace) -> int:
         report = train(target, LabelledData(data_dir), Path(args.out), s, resume=args.resume)
         timings["train_s"] = time.perf_counter() - t0
         print(json.dumps({"out": args.out, "steps_done": report["steps_done"], "last50_mean": report["last50_mean"],
-                          **timings}, indent=1))
+                          "last_eval": (report["evals"] or [None])[-1], **timings}, indent=1))
     else:
         print(json.dumps(timings, indent=1))
     return 0

@@ -12,6 +12,7 @@ each block see only its own context window and, causally, its own block.
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -37,7 +38,8 @@ class LabelledData:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.meta = json.loads((self.path / META).read_text())
-        self.handles = [safe_open(str(p), framework="pt") for p in iter_shards(self.path)]
+        self.files = list(iter_shards(self.path))
+        self.handles = [safe_open(str(p), framework="pt") for p in self.files]
         self.tokens = [h.get_tensor("tokens") for h in self.handles]
         self.index: list[tuple[int, int, int]] = []  # (shard, start, length)
         for shard, h in enumerate(self.handles):
@@ -56,6 +58,20 @@ class LabelledData:
     def seq_tokens(self, i: int) -> torch.Tensor:
         shard, start, n = self.index[i]
         return self.tokens[shard][start:start + n].long()
+
+    def holdout(self, share: float, seed: int) -> torch.Tensor:
+        """[sequences] bool: the sequences kept out of training, about `share` of them. A sequence is held out
+        where a hash of (its shard file, its place there, `seed`) falls below `share`: shards are append-only,
+        so a run resumed on grown data holds out the same sequences as before, and the same share of the new."""
+        if not 0 < share < 1:
+            raise ValueError(f"holdout must lie in (0, 1), got {share}")
+        places = [0] * len(self.files)
+        held = []
+        for shard, _, _ in self.index:
+            key = f"{self.files[shard].name}:{places[shard]}:{seed}".encode()
+            places[shard] += 1
+            held.append(zlib.crc32(key) < share * 2**32)
+        return torch.tensor(held, dtype=torch.bool)
 
     def read(self, i: int, key: str, lo: int, hi: int) -> torch.Tensor:
         shard, start, _ = self.index[i]
@@ -122,9 +138,10 @@ class BlockBatch:
 
 def sample_blocks(data: LabelledData, gen: torch.Generator, n_seqs: int, n_anchors: int, block: int, window: int,
                   subset_index: torch.Tensor, decay: float = 0.8, spread: int = 4,
-                  device: str | torch.device = "cpu") -> BlockBatch:
-    """`n_seqs` sequences (chosen in proportion to length), `n_anchors` blocks each, anchors within a
-    span of `spread * block` positions so their contexts overlap and share one tensor.
+                  device: str | torch.device = "cpu", allowed: torch.Tensor | None = None) -> BlockBatch:
+    """`n_seqs` sequences (chosen in proportion to length, among the `allowed` ones: [sequences] bool, None =
+    all), `n_anchors` blocks each, anchors within a span of `spread * block` positions so their contexts
+    overlap and share one tensor.
 
     Vectorised over the whole batch on `device`, from the labelled set held resident there (no Python loop
     per block: on a GPU the loop, not the model, bounded the step rate). Random draws come from the CPU
@@ -132,7 +149,7 @@ def sample_blocks(data: LabelledData, gen: torch.Generator, n_seqs: int, n_ancho
     if block < 3:
         raise ValueError("block must be >= 3")
     res = data.resident(device)
-    seqs, lo, anchors = sample_anchors(data, gen, n_seqs, n_anchors, block, spread)
+    seqs, lo, anchors = sample_anchors(data, gen, n_seqs, n_anchors, block, spread, allowed)
     clean = torch.where(torch.rand(n_seqs, n_anchors, generator=gen) < 0.5, 0,
                         1 + _randbelow(gen, (n_seqs, n_anchors), torch.tensor(block - 2)))  # [S, A] m
     noise_at = _randbelow(gen, (n_seqs, n_anchors, block), anchors[..., None] + 1)  # [S, A, B] index <= n
@@ -174,13 +191,16 @@ def _randbelow(gen: torch.Generator, shape: tuple, bound: torch.Tensor) -> torch
 
 
 def sample_anchors(data: LabelledData, gen: torch.Generator, n_seqs: int, n_anchors: int, block: int,
-                   spread: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`n_seqs` sequences drawn in proportion to their usable length, and for each `n_anchors` anchors in a
-    span [lo, lo + spread * block), each with a whole block after it (anchor + block - 1 < length) and at
-    least one position before it. Returns (seqs [S], lo [S], anchors [S, A]) on the CPU."""
+                   spread: int, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`n_seqs` sequences drawn in proportion to their usable length (only `allowed` ones: [sequences] bool,
+    None = all), and for each `n_anchors` anchors in a span [lo, lo + spread * block), each with a whole block
+    after it (anchor + block - 1 < length) and at least one position before it. Returns (seqs [S], lo [S],
+    anchors [S, A]) on the CPU."""
     usable = (data.lengths - block).clamp(min=0)
+    if allowed is not None:
+        usable = usable * allowed.cpu()
     if float(usable.sum()) <= 0:
-        raise ValueError(f"no labelled sequence is longer than the block ({block})")
+        raise ValueError(f"no labelled sequence to draw from is longer than the block ({block})")
     seqs = torch.multinomial(usable, n_seqs, replacement=True, generator=gen)  # [S]
     last = data.lengths[seqs].long() - block  # the last anchor whose block targets all exist
     span = spread * block

@@ -124,18 +124,19 @@ def tail_mean(history: list[dict], keys: tuple[str, ...], n: int = 50) -> dict:
 
 
 def write_report(out: Path, report: dict, history: list[dict], loss_title: str, loss_label: str,
-                 curves: list[tuple[str, list[float], str]], curves_title: str) -> None:
-    """report.json (with the thinned history) and a two-panel loss.png: loss, then `curves`
-    as (label, per-step values, line style)."""
+                 curves: list[tuple[str, list[float], str]], curves_title: str,
+                 points: list[tuple[str, list[int], list[float]]] = ()) -> None:
+    """report.json (with the thinned history) and a two-panel loss.png: loss (with `points`, losses measured at
+    some steps, as (label, steps, values)), then `curves` as (label, per-step values, line style)."""
     report = {**report, "history": history[::max(1, len(history) // MAX_HISTORY)]}
     (out / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
     try:
-        _plot(history, out / PLOT_FILE, loss_title, loss_label, curves, curves_title)
+        _plot(history, out / PLOT_FILE, loss_title, loss_label, curves, curves_title, points)
     except Exception as exc:  # a report without its chart is still a report
         print(f"[train] loss plot failed: {exc}")
 
 
-def _plot(history, path, loss_title, loss_label, curves, curves_title) -> None:
+def _plot(history, path, loss_title, loss_label, curves, curves_title, points) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,6 +148,8 @@ def _plot(history, path, loss_title, loss_label, curves, curves_title) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ax1.plot(steps, [h["loss"] for h in history], lw=0.5, alpha=0.5, label=loss_label)
     ax1.plot(steps, smooth([h["loss"] for h in history]), lw=1.5, label="smoothed")
+    for label, at, values in points:
+        ax1.plot(at, values, marker="o", ms=3, lw=1, label=label)
     ax1.set_xlabel("step"), ax1.set_yscale("log"), ax1.legend(), ax1.set_title(loss_title)
     for label, values, style in curves:
         ax2.plot(steps, smooth(values), ls=style, label=label)

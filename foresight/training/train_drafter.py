@@ -5,6 +5,9 @@
 with the target's top-k (renormalised over the drafter's vocabulary subset) standing in for p.
 AdamW, linear warmup, constant, cosine decay to 0 over the last 25% of the steps. Seeded: the batch of
 step t depends only on (seed, t), so a resumed run sees the same batches as an uninterrupted one.
+With `holdout` > 0 a share of the sequences is never trained on; at each checkpoint the loss on fixed
+batches of them is set beside the loss on fixed batches of training sequences (the gap shows memorising:
+more data, not more steps, would help).
 The output folder is the checkpoint (config.json + model.safetensors, fp16) plus report.json,
 loss.png and train_state.pt (fp32 weights + optimizer, for --resume; not meant for git).
 """
@@ -54,6 +57,11 @@ class TrainSettings:
     bf16: bool = True
     time_budget_s: float = 0.0  # > 0: after BUDGET_PROBE steps, cut `steps` to what fits (the schedule follows)
     init: str = "random"  # random | target (its top attention layers) | a checkpoint folder (warm start); see draft_init
+    holdout: float = 0.0  # share of the sequences kept out of training and scored at each checkpoint (0 = none)
+
+
+EVAL_BATCHES = 4  # fixed batches per split at each checkpoint
+EVAL_SEED = 1 << 40  # their generators' seeds: apart from the training steps' (seed * 1_000_003 + step)
 
 
 def trained_positions(s: TrainSettings) -> int:
@@ -130,13 +138,18 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
     model.config.extra.update({"train": asdict(s), "data": {"tokens": data.num_tokens, "sequences": len(data),
                                                             "path": str(data.path)}})
     positions = trained_positions(s)
+    held = data.holdout(s.holdout, s.seed) if s.holdout else None
+    if held is not None and not held.any():
+        raise ValueError(f"holdout={s.holdout} keeps none of the {len(data)} sequences out: raise it")
+    trained_seqs = None if held is None else ~held
+    evals: list[dict] = state.get("evals", []) if state is not None else []
     bar = tqdm(total=s.steps, initial=step, unit="step", desc="train drafter", dynamic_ncols=True)
     budget = StepBudget(s, step, time.perf_counter(), bar)
     while step < s.steps:
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(s.seed * 1_000_003 + step)
         batch = sample_blocks(data, gen, s.batch_seqs, s.anchors, positions, s.context_window, subset_index,
-                              s.position_decay, device=device)
+                              s.position_decay, device=device, allowed=trained_seqs)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
         loss, stats = kl_loss(model, batch, bf16)
@@ -151,11 +164,32 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
         bar.update(1)
         bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", top1=f"{stats['top1']:.2f}", j0=f"{stats['j0_len']:.2f}")
         if step % s.ckpt_every == 0 or step == s.steps:
-            save_all(model, opt, s, step, history, out)
+            if held is not None:
+                evals.append({"step": step, **{name: score_split(model, data, seqs, s, subset_index, bf16)
+                                               for name, seqs in (("heldout", held), ("train", trained_seqs))}})
+            save_all(model, opt, s, step, history, out, evals)
     bar.close()
     if not history or history[-1]["step"] != step or not (out / "report.json").exists():
-        save_all(model, opt, s, step, history, out)
+        save_all(model, opt, s, step, history, out, evals)
     return json.loads((out / "report.json").read_text())
+
+
+def score_split(model: DraftModel, data: LabelledData, seqs: torch.Tensor, s: TrainSettings,
+                subset_index: torch.Tensor, bf16: bool) -> dict:
+    """Loss, top-1 and the J0 proxy of `model`, means over EVAL_BATCHES fixed batches (the same at every
+    checkpoint) drawn from the sequences `seqs` ([sequences] bool)."""
+    model.eval()
+    totals = {"loss": 0.0, "top1": 0.0, "j0_len": 0.0}
+    with torch.no_grad():
+        for k in range(EVAL_BATCHES):
+            batch = sample_blocks(data, torch.Generator().manual_seed(EVAL_SEED + k), s.batch_seqs, s.anchors,
+                                  trained_positions(s), s.context_window, subset_index, s.position_decay,
+                                  device=subset_index.device, allowed=seqs)
+            loss, stats = kl_loss(model, batch, bf16)
+            for key, value in (("loss", float(loss)), ("top1", stats["top1"]), ("j0_len", stats["j0_len"])):
+                totals[key] += value / EVAL_BATCHES
+    model.train()
+    return totals
 
 
 def _model_from_state(target, data: LabelledData, state: dict, s: TrainSettings) -> DraftModel:
@@ -165,19 +199,24 @@ def _model_from_state(target, data: LabelledData, state: dict, s: TrainSettings)
     return model
 
 
-def save_all(model: DraftModel, opt, s: TrainSettings, step: int, history: list[dict], out: Path) -> None:
-    """The checkpoint folder (fp16), the resumable state, and the report."""
+def save_all(model: DraftModel, opt, s: TrainSettings, step: int, history: list[dict], out: Path,
+             evals: list[dict]) -> None:
+    """The checkpoint folder (fp16), the resumable state, and the report (with the held-out scores `evals`)."""
     model.config.extra["steps_done"] = step
     model.config.extra["train"] = asdict(s)  # as run: a time budget may have cut `steps`
     model.save(out)
-    save_state(out, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
-                     "settings": asdict(s), "config": model.config.to_dict(), "vocab_subset": model.vocab_subset.cpu()})
+    save_state(out, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                     "history": history, "evals": evals, "settings": asdict(s), "config": model.config.to_dict(),
+                     "vocab_subset": model.vocab_subset.cpu()})
     report = {"steps_done": step, "settings": asdict(s), "params": model.num_trainable(),
               "vocab_subset": len(model.vocab_subset), "data": model.config.extra.get("data"),
-              "last50_mean": tail_mean(history, ("loss", "top1", "j0_len", "s"))}
+              "last50_mean": tail_mean(history, ("loss", "top1", "j0_len", "s")), "evals": evals}
     curves = [("top-1 agreement", [h["top1"] for h in history], "-"),
               ("J0 matched prefix (noised blocks)", [h["j0_len"] for h in history], "-")]
-    write_report(out, report, history, "forward KL", "loss (weighted KL)", curves, "agreement with the target")
+    points = [(f"{name} sequences (fixed batches)", [e["step"] for e in evals], [e[name]["loss"] for e in evals])
+              for name in ("heldout", "train") if evals]
+    write_report(out, report, history, "forward KL", "loss (weighted KL)", curves, "agreement with the target",
+                 points)
 
 
 __all__ = ["TrainSettings", "train", "kl_loss", "lr_at", "build_model"]

@@ -7,6 +7,7 @@ Qwen3.5 and Qwen3-Next, whose Gated DeltaNet layers keep recurrent state instead
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -444,3 +445,49 @@ def test_init_from_the_targets_top_attention_layers(arch, tmp_path):
         with pytest.raises(ValueError, match="--init target"):
             validate_init("target", target, 2)  # the CLI's check, before any labelling
     assert validate_init("target", target, 1) == "target"
+
+
+def test_the_holdout_split_is_seeded_and_stays_put_when_shards_are_appended(data_dir):
+    data = LabelledData(data_dir)
+    held = data.holdout(0.3, seed=0)
+    assert 0 < int(held.sum()) < len(data) and torch.equal(held, data.holdout(0.3, seed=0))
+    assert not torch.equal(held, data.holdout(0.3, seed=1))
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="holdout"):
+            data.holdout(bad, seed=0)
+    # A shard appended to the first stream (its sequences, under a later name) lands in the middle of the index:
+    # the sequences after it move, and keep their split.
+    first = [(a, n) for shard, a, n in data.index if shard == 0]
+    grown = LabelledData(data_dir)
+    grown.files.insert(1, data_dir / "shard-appended.safetensors")
+    grown.index = ([(0, a, n) for a, n in first] + [(1, a, n) for a, n in first]
+                   + [(shard + 1, a, n) for shard, a, n in data.index if shard > 0])
+    again = grown.holdout(0.3, seed=0)
+    assert torch.equal(torch.cat([again[:len(first)], again[2 * len(first):]]), held)
+
+
+def test_held_out_sequences_are_scored_at_each_checkpoint_and_never_trained(data_dir, target, tmp_path, monkeypatch):
+    import foresight.training.dataset as dataset
+
+    data = LabelledData(data_dir)
+    held = data.holdout(0.3, seed=0)
+    drawn = {"train": set(), "score": set()}
+    real = dataset.sample_anchors
+
+    def recording(data, gen, n_seqs, n_anchors, block, spread, allowed=None):
+        seqs, lo, anchors = real(data, gen, n_seqs, n_anchors, block, spread, allowed)
+        drawn["score" if allowed is not None and torch.equal(allowed, held) else "train"].update(seqs.tolist())
+        return seqs, lo, anchors
+
+    monkeypatch.setattr(dataset, "sample_anchors", recording)
+    s = dict(num_layers=1, block_size=8, context_window=32, vocab_subset=0, batch_seqs=4, anchors=2, bf16=False,
+             holdout=0.3, ckpt_every=3)
+    report = train(target, data, tmp_path, TrainSettings(steps=6, **s), log=lambda *_: None)
+    held_ids = set(torch.nonzero(held).flatten().tolist())
+    assert drawn["train"] and not drawn["train"] & held_ids and drawn["score"] <= held_ids
+    assert [e["step"] for e in report["evals"]] == [3, 6]
+    for e in report["evals"]:
+        assert {"heldout", "train"} <= e.keys() and all(math.isfinite(e[k]["loss"]) for k in ("heldout", "train"))
+    assert report["evals"][0]["heldout"] != report["evals"][1]["heldout"]  # the model changed between them
+    resumed = train(target, data, tmp_path, TrainSettings(steps=9, **s), resume=True, log=lambda *_: None)
+    assert [e["step"] for e in resumed["evals"]] == [3, 6, 9]
