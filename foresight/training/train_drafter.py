@@ -175,19 +175,19 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
 
 
 def score_split(model: DraftModel, data: LabelledData, seqs: torch.Tensor, s: TrainSettings,
-                subset_index: torch.Tensor, bf16: bool) -> dict:
-    """Loss, top-1 and the J0 proxy of `model`, means over EVAL_BATCHES fixed batches (the same at every
+                subset_index: torch.Tensor, bf16: bool, batches: int = EVAL_BATCHES) -> dict:
+    """Loss, top-1 and the J0 proxy of `model`, means over `batches` fixed batches (the same at every
     checkpoint) drawn from the sequences `seqs` ([sequences] bool)."""
     model.eval()
     totals = {"loss": 0.0, "top1": 0.0, "j0_len": 0.0}
     with torch.no_grad():
-        for k in range(EVAL_BATCHES):
+        for k in range(batches):
             batch = sample_blocks(data, torch.Generator().manual_seed(EVAL_SEED + k), s.batch_seqs, s.anchors,
                                   trained_positions(s), s.context_window, subset_index, s.position_decay,
                                   device=subset_index.device, allowed=seqs)
             loss, stats = kl_loss(model, batch, bf16)
             for key, value in (("loss", float(loss)), ("top1", stats["top1"]), ("j0_len", stats["j0_len"])):
-                totals[key] += value / EVAL_BATCHES
+                totals[key] += value / batches
     model.train()
     return totals
 
@@ -219,4 +219,4 @@ def save_all(model: DraftModel, opt, s: TrainSettings, step: int, history: list[
                  points)
 
 
-__all__ = ["TrainSettings", "train", "kl_loss", "lr_at", "build_model"]
+__all__ = ["TrainSettings", "train", "kl_loss", "lr_at", "build_model", "score_split"]
