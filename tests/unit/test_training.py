@@ -485,9 +485,9 @@ def test_held_out_sequences_are_scored_at_each_checkpoint_and_never_trained(data
     report = train(target, data, tmp_path, TrainSettings(steps=6, **s), log=lambda *_: None)
     held_ids = set(torch.nonzero(held).flatten().tolist())
     assert drawn["train"] and not drawn["train"] & held_ids and drawn["score"] <= held_ids
-    assert [e["step"] for e in report["evals"]] == [3, 6]
+    assert [e["step"] for e in report["evals"]] == [0, 3, 6]  # before the first step, then at each checkpoint
     for e in report["evals"]:
         assert {"heldout", "train"} <= e.keys() and all(math.isfinite(e[k]["loss"]) for k in ("heldout", "train"))
-    assert report["evals"][0]["heldout"] != report["evals"][1]["heldout"]  # the model changed between them
+    assert report["evals"][1]["heldout"] != report["evals"][2]["heldout"]  # the model changed between them
     resumed = train(target, data, tmp_path, TrainSettings(steps=9, **s), resume=True, log=lambda *_: None)
-    assert [e["step"] for e in resumed["evals"]] == [3, 6, 9]
+    assert [e["step"] for e in resumed["evals"]] == [0, 3, 6, 9]
