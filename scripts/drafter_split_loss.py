@@ -19,7 +19,7 @@ import torch
 from foresight.models.draft_model import DraftModel, SharedWeights
 from foresight.models.loading import load_target, resolve_target
 from foresight.training.dataset import LabelledData
-from foresight.training.train_drafter import TrainSettings, score_split
+from foresight.training.train_drafter import TrainSettings, score_split, vocab_subset_index
 
 
 def main() -> None:
@@ -42,8 +42,7 @@ def main() -> None:
         model = DraftModel.load(path, shared)
         s = TrainSettings(batch_seqs=args.batch_seqs, anchors=args.anchors, block_size=model.config.block_size,
                           loss_positions=args.loss_positions, context_window=model.config.context_window)
-        subset_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
-        subset_index[model.vocab_subset] = torch.arange(len(model.vocab_subset))
+        subset_index = vocab_subset_index(model)
         for span in args.ranges.split(","):
             first, end = (int(x) for x in span.split(":"))
             seqs = torch.zeros(len(data), dtype=torch.bool)

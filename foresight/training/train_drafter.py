@@ -133,8 +133,7 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
         opt.load_state_dict(state["optimizer"])
         history, step = state["history"], state["step"]
         log(f"[train] resumed at step {step} from {out / STATE_FILE}")
-    subset_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long, device=device)
-    subset_index[model.vocab_subset.to(device)] = torch.arange(len(model.vocab_subset), device=device)
+    subset_index = vocab_subset_index(model, device)
     model.config.extra.update({"train": asdict(s), "data": {"tokens": data.num_tokens, "sequences": len(data),
                                                             "path": str(data.path)}})
     positions = trained_positions(s)
@@ -178,6 +177,13 @@ def train(target, data: LabelledData, out: Path, s: TrainSettings, resume: bool 
     if not history or history[-1]["step"] != step or not (out / "report.json").exists():
         save_all(model, opt, s, step, history, out, evals)
     return json.loads((out / "report.json").read_text())
+
+
+def vocab_subset_index(model: DraftModel, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[vocab] each token's index in the drafter's vocabulary subset, -1 outside it (what sample_blocks takes)."""
+    index = torch.full((model.config.vocab_size,), -1, dtype=torch.long, device=device)
+    index[model.vocab_subset.to(device)] = torch.arange(len(model.vocab_subset), device=device)
+    return index
 
 
 def score_split(model: DraftModel, data: LabelledData, seqs: torch.Tensor, s: TrainSettings,
@@ -225,4 +231,4 @@ def save_all(model: DraftModel, opt, s: TrainSettings, step: int, history: list[
                  points)
 
 
-__all__ = ["TrainSettings", "train", "kl_loss", "lr_at", "build_model", "score_split"]
+__all__ = ["TrainSettings", "train", "kl_loss", "lr_at", "build_model", "score_split", "vocab_subset_index"]
